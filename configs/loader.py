@@ -1,0 +1,243 @@
+"""Read a config: dataclass defaults <- TOML file <- `--section.key value` overrides, then check it.
+
+Every mistake a user can make here raises ConfigError with one message naming the key; train.py
+prints it as `error: ...` and exits with code 2.
+"""
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from configs.schema import JobConfig
+
+USAGE = (
+    "usage: train.py [--config FILE.toml] [--section.key VALUE | --section.key=VALUE ...]\n"
+    "Every key is listed, with its default and meaning, in README.md (Configuration)."
+)
+
+
+class ConfigError(Exception):
+    """A mistake in the config or the command line; the message names the key."""
+
+
+def load_config(argv: list[str]) -> JobConfig:
+    """Build the JobConfig for a command line such as `--config x.toml --training.steps 10`."""
+    config_file, overrides = _split_argv(argv)
+    config = JobConfig()
+    if config_file is not None:
+        for section, values in _read_toml(config_file).items():
+            _apply_section(config, section, values, source=config_file)
+    for key, raw in overrides:
+        section, name = _resolve_key(config, key)
+        _set_value(config, section, name, raw, from_cli=True)
+    check_values(config)
+    return config
+
+
+def _split_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None]]]:
+    """Split argv into the --config file and (key, raw value) overrides; None = bare flag."""
+    config_file = None
+    overrides: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument '{arg}' (options look like --section.key VALUE)")
+        key, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            next_arg = argv[i + 1] if i + 1 < len(argv) else None
+            if next_arg is None or next_arg.startswith("--"):
+                value = None  # bare flag such as --metrics.enable_tensorboard
+            else:
+                value = next_arg
+                i += 1
+        if key == "config":
+            if value is None:
+                raise ConfigError("--config needs a file name")
+            config_file = value
+        else:
+            overrides.append((key, value))
+        i += 1
+    return config_file, overrides
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    try:
+        return tomllib.loads(file.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+
+
+def _sections(config: JobConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _close_match(word: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _apply_section(config: JobConfig, section: str, values: Any, source: str) -> None:
+    sections = _sections(config)
+    if section not in sections:
+        hint = _close_match(section, list(sections))
+        raise ConfigError(f"unknown section [{section}] in {source}{hint}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"'{section}' in {source} must be a [section] table, not a value")
+    for name, value in values.items():
+        _resolve_key(config, f"{section}.{name}")
+        _set_value(config, section, name, value, from_cli=False)
+
+
+def _resolve_key(config: JobConfig, key: str) -> tuple[str, str]:
+    """Check that `section.name` exists; suggest the closest key if it does not."""
+    sections = _sections(config)
+    all_keys = [f"{s}.{f.name}" for s, obj in sections.items() for f in dataclasses.fields(obj)]
+    section, dot, name = key.partition(".")
+    if not dot or section not in sections:
+        raise ConfigError(f"unknown option '--{key}'{_close_match(key, all_keys)}")
+    if name not in {f.name for f in dataclasses.fields(sections[section])}:
+        raise ConfigError(f"unknown key '{key}'{_close_match(key, all_keys)}")
+    return section, name
+
+
+def _set_value(config: JobConfig, section: str, name: str, value: Any, from_cli: bool) -> None:
+    obj = getattr(config, section)
+    annotation = typing.get_type_hints(type(obj))[name]
+    setattr(obj, name, _convert(value, annotation, f"{section}.{name}", from_cli))
+
+
+def _convert(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
+    """Check (TOML) or parse (command line) one value against its annotated type."""
+    if typing.get_origin(annotation) is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            listed = ", ".join(repr(c) for c in choices)
+            hint = _close_match(str(value), list(choices))
+            raise ConfigError(f"{key} must be one of {listed}, got {value!r}{hint}")
+        return value
+    if typing.get_origin(annotation) is list:
+        (item_type,) = typing.get_args(annotation)
+        if from_cli:
+            value = _parse_cli_list(value, key)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_convert(v, item_type, key, from_cli) for v in value]
+    if from_cli:
+        value = _parse_cli_scalar(value, annotation, key)
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if annotation is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{key} must be {_type_name(annotation)}, got {value!r}")
+
+
+def _parse_cli_scalar(raw: str | None, annotation: Any, key: str) -> Any:
+    if annotation is bool:
+        if raw is None:
+            return True
+        lowered = raw.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got '{raw}'")
+    if raw is None:
+        raise ConfigError(f"--{key} needs a value")
+    try:
+        if annotation is int:
+            return int(raw)
+        if annotation is float:
+            return float(raw)
+    except ValueError:
+        raise ConfigError(f"{key} must be {_type_name(annotation)}, got '{raw}'") from None
+    return raw
+
+
+def _parse_cli_list(raw: str | None, key: str) -> list[Any]:
+    """A list on the command line: TOML syntax `[1, 2]` / `["a"]`, or comma-separated `a,b`."""
+    if raw is None:
+        raise ConfigError(f"--{key} needs a value")
+    if raw.strip().startswith("["):
+        try:
+            return tomllib.loads(f"value = {raw}")["value"]
+        except tomllib.TOMLDecodeError:
+            raise ConfigError(f"{key}: '{raw}' is not a valid TOML list") from None
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+def _type_name(annotation: Any) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        annotation, str(annotation)
+    )
+
+
+def check_values(config: JobConfig) -> None:
+    """Range checks that types alone cannot express."""
+    t, o, s = config.training, config.optimizer, config.lr_scheduler
+    rules = [
+        ("training.local_batch_size", t.local_batch_size >= 1, "must be >= 1"),
+        ("training.global_batch_size", t.global_batch_size == -1 or t.global_batch_size >= 1,
+         "must be >= 1, or -1 for local_batch_size x data-parallel degree"),
+        ("training.seq_len", t.seq_len >= 1, "must be >= 1"),
+        ("training.steps", t.steps >= 1, "must be >= 1"),
+        ("training.max_norm", t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
+        ("optimizer.lr", o.lr > 0 and math.isfinite(o.lr), "must be a positive number"),
+        ("optimizer.beta1", 0 <= o.beta1 < 1, "must be in [0, 1)"),
+        ("optimizer.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)"),
+        ("optimizer.eps", o.eps > 0, "must be > 0"),
+        ("optimizer.weight_decay", o.weight_decay >= 0, "must be >= 0"),
+        ("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "must be >= 0"),
+        ("lr_scheduler.decay_ratio", 0 < s.decay_ratio <= 1, "must be in (0, 1]"),
+        ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
+        ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
+        ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
+        ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
+        ("training.dataset_path", t.dataset == "python_docs" or t.dataset_path != "",
+         f"is required when training.dataset = '{t.dataset}'"),
+    ]
+    for key, ok, message in rules:
+        if not ok:
+            section, name = key.split(".")
+            value = getattr(getattr(config, section), name)
+            raise ConfigError(f"{key} {message} (got {value!r})")
+
+
+def config_to_toml(config: JobConfig) -> str:
+    """Render the resolved config as TOML that load_config reads back to the same values."""
+    lines = []
+    for section, obj in _sections(config).items():
+        lines.append(f"[{section}]")
+        for f in dataclasses.fields(obj):
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,145 @@
+"""The typed schema of a training config: one dataclass per TOML section.
+
+Each field's docstring (the string literal under it) is its documentation: `python -m configs.docs`
+renders them into the README's reference table, and a test fails if a field has none or the README
+drifts. Key names follow torchtitan v0.2 where the concept is the same.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder for this run's outputs: config.toml, metrics.jsonl, tb/, checkpoints."""
+
+    description: str = ""
+    """Free text describing the run; printed at start-up."""
+
+    seed: int = 0
+    """Seed for weight init and any other randomness. The same seed gives the same weights on every
+    parallel layout (each parameter is drawn from its own seed derived from this and its name)."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family, a key of the registry in models/__init__.py."""
+
+    flavor: str = "debugmodel"
+    """Size of the model within its family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B)."""
+
+    hf_assets_path: str = ""
+    """Folder holding a Hugging Face tokenizer.json (and tokenizer_config.json). Empty: the built-in
+    byte-level tokenizer (256 bytes + BOS + EOS)."""
+
+
+@dataclass
+class Training:
+    dataset: Literal["python_docs", "text", "tokens", "hf"] = "python_docs"
+    """Data source. python_docs: the bundled sample corpus (data/sample/, no download).
+    text: local .txt/.jsonl/.parquet files (dataset_path = file, folder or glob).
+    tokens: token shards written by scripts/prepare_data.py (dataset_path = their folder).
+    hf: a Hugging Face `datasets` dataset by name (dataset_path), streamed; needs the package."""
+
+    dataset_path: str = ""
+    """Where the data is, for dataset = text, tokens or hf (see dataset)."""
+
+    dataset_text_field: str = "text"
+    """Field holding the document text in .jsonl/.parquet rows and HF datasets."""
+
+    dataset_subset: str = ""
+    """Configuration name of an HF dataset (e.g. "en" for allenai/c4); empty for none."""
+
+    dataset_split: str = "train"
+    """Split of an HF dataset."""
+
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree.
+    Must be a multiple of that product; the quotient is the number of gradient-accumulation steps."""
+
+    seq_len: int = 2048
+    """Tokens per sequence. Documents are packed into windows of this length, split by EOS."""
+
+    steps: int = 10000
+    """Number of optimizer steps to train for."""
+
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of parameters in forward/backward on CUDA (master weights and optimizer state stay
+    float32). On CPU training runs in float32 whatever this says: bf16 matmuls are far slower there."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of gradient reduction across data-parallel ranks (used by FSDP)."""
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """auto: CUDA when available, else CPU."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer. Weight decay applies to matrices, not to norm weights."""
+
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warmup."""
+
+    beta1: float = 0.9
+    """AdamW beta1."""
+
+    beta2: float = 0.95
+    """AdamW beta2."""
+
+    eps: float = 1e-8
+    """AdamW epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay for 2-D (and larger) parameters."""
+
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """AdamW kernel: auto = fused on CUDA, foreach on CPU."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from lr/(warmup_steps+1) to lr."""
+
+    decay_ratio: float = 1.0
+    """Fraction of the steps after warmup over which the lr decays, at the end of training.
+    1.0 = decay straight after warmup; below 1 the lr stays flat first (warmup-stable-decay, WSD)."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay from lr to lr x min_lr_factor."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of lr."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
+
+    enable_tensorboard: bool = True
+    """Also write the metrics as TensorBoard scalars under <dump_folder>/tb."""
+
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s per device for MFU; 0 = look the GPU up in a table (A100, H100,
+    H200, B200). MFU is left empty (null) on a device the table does not know."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)

@@ -1,0 +1,1 @@
+"""Data: tokenizers, document sources, packing into samples, and the globally ordered loader."""

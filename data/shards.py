@@ -1,0 +1,83 @@
+"""Token shards: the pretokenized format written by scripts/prepare_data.py, read memory-mapped.
+
+A folder holds meta.json and raw little-endian token files (uint16 when the vocabulary fits, else
+uint32). The files together are one token stream; sample k is tokens [k*L, k*L + L] of it, read
+directly, so every rank reads only its own samples. Past the end the stream starts again (epochs).
+"""
+
+import json
+from functools import partial
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from configs import ConfigError
+
+FORMAT = "recipe-token-shards-v1"
+
+
+def write_meta(folder: Path, dtype: str, vocab_size: int, eos_id: int, tokenizer: str, shards: list[dict]) -> None:
+    meta = {
+        "format": FORMAT,
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "tokenizer": tokenizer,
+        "shards": shards,  # [{"file": "tokens-00000.bin", "num_tokens": N}, ...]
+    }
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+class TokenShards:
+    def __init__(self, folder: str, seq_len: int):
+        meta_path = Path(folder) / "meta.json"
+        if not meta_path.is_file():
+            raise ConfigError(
+                f"training.dataset_path '{folder}' has no meta.json; write token shards with scripts/prepare_data.py"
+            )
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format") != FORMAT:
+            raise ConfigError(f"{meta_path} is not a {FORMAT} file (format: {meta.get('format')!r})")
+        self.meta = meta
+        self.vocab_size = meta["vocab_size"]
+        self.seq_len = seq_len
+        self.arrays = []
+        for shard in meta["shards"]:
+            path = Path(folder) / shard["file"]
+            expected = shard["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+            if not path.is_file() or path.stat().st_size != expected:
+                raise ConfigError(f"token shard {path} is missing or truncated (expected {expected} bytes)")
+            if shard["num_tokens"]:
+                self.arrays.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
+        self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
+        self.num_tokens = int(self.offsets[-1])
+        self.samples_per_epoch = (self.num_tokens - 1) // seq_len
+        if self.samples_per_epoch < 1:
+            raise ConfigError(
+                f"training.dataset_path '{folder}' holds {self.num_tokens} tokens, fewer than one "
+                f"sample of seq_len {seq_len} + 1"
+            )
+
+    def sample(self, k: int) -> np.ndarray:
+        start = (k % self.samples_per_epoch) * self.seq_len
+        return self._tokens(start, start + self.seq_len + 1)
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < stop:
+            local = start - self.offsets[shard]
+            take = min(stop - start, len(self.arrays[shard]) - local)
+            pieces.append(self.arrays[shard][local : local + take])
+            start += take
+            shard += 1
+        return np.concatenate(pieces).astype(np.int64)
+
+    def samples(self, first_sample: int, anchor_token: int, anchor: tuple) -> Iterator[tuple]:
+        """PackedTextStream.samples for shards: no position is needed, and tokens are read only
+        for the samples a rank keeps (the third item is a function that reads them)."""
+        k = first_sample
+        while True:
+            yield k, (0, 0, 0), partial(self.sample, k)
+            k += 1

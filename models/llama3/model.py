@@ -1,0 +1,212 @@
+"""Llama 3 (Meta's architecture: GQA, RoPE with Llama 3.1 scaling, RMSNorm, SwiGLU), in plain PyTorch.
+
+No distributed code lives here: parallelize.py (beside this file) says how to shard it, and
+parallelisms/ does the sharding. Build it on the meta device, parallelize, then materialize:
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    ... model.to_empty(device=...); model.init_buffers(); parameters from init_weights()
+
+RoPE follows Meta's reference (rotation of interleaved pairs), so Hugging Face checkpoints need the
+q/k permutation done in state_dict_adapter.py.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Llama3Args:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    vocab_size: int
+    """0 = the tokenizer's vocabulary size, rounded up to a multiple of 64 (debug flavors)."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling_factor: float = 8.0
+    """Llama 3.1 frequency scaling; 1.0 = none (Llama 3.0)."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_seq_len: int = 8192
+    """Length of the RoPE table; train.py sets it to training.seq_len."""
+    tie_embeddings: bool = False
+    """Output projection shares the token-embedding matrix (Llama 3.2 1B and 3B)."""
+
+
+def rope_frequencies(args: Llama3Args) -> torch.Tensor:
+    """Per-pair rotation frequencies, with the Llama 3.1 long-context scaling."""
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if args.rope_scaling_factor == 1.0:
+        return freqs
+    low_freq_wavelen = args.rope_original_max_position / args.rope_low_freq_factor
+    high_freq_wavelen = args.rope_original_max_position / args.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (args.rope_original_max_position / wavelen - args.rope_low_freq_factor) / (
+        args.rope_high_freq_factor - args.rope_low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / args.rope_scaling_factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by position.
+
+    cos/sin are (seq, head_dim/2) or (batch, seq, head_dim/2); computed in float32 as Meta does.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class CausalAttentionKernel(nn.Module):
+    """softmax(QK^T/sqrt(d)) V with a causal mask: a module so that parallelisms can swap it (CP)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (batch, heads, seq, head_dim); k, v may have fewer heads (GQA).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.kernel = CausalAttentionKernel()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def init_weights(self, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=out_std)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.w2.weight, mean=0.0, std=out_std)
+        nn.init.trunc_normal_(self.w3.weight, mean=0.0, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: Llama3Args):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Depth-scaled init of the projections that write into the residual stream.
+        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_std)
+        self.feed_forward.init_weights(self.out_std)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: Llama3Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed by layer index keeps names such as `layers.7` when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        head_dim = args.dim // args.n_heads
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+        positions: each token's position for RoPE (default 0..seq-1), for when a rank holds
+        only some chunks of the sequence (context parallelism). A pipeline stage that lacks the
+        embedding, final norm or output (set to None) passes hidden states through instead.
+        """
+        seq = tokens.shape[1]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_buffers(self) -> None:
+        """Fill the RoPE tables (deterministic; call after moving off the meta device)."""
+        freqs = rope_frequencies(self.args).to(self.rope_cos.device)
+        angles = torch.outer(torch.arange(self.args.max_seq_len, device=freqs.device), freqs)
+        self.rope_cos.copy_(angles.cos())
+        self.rope_sin.copy_(angles.sin())
+
+    def init_weights(self) -> None:
+        """Random init of every parameter, from torch's global RNG."""
+        std = self.args.dim**-0.5
+        if self.tok_embeddings is not None:
+            if self.args.tie_embeddings:  # the same matrix also projects to logits: keep it small
+                nn.init.trunc_normal_(self.tok_embeddings.weight, std=std, a=-3 * std, b=3 * std)
+            else:
+                nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.args.tie_embeddings:
+            nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token: 6 x matmul parameters + causal attention.
+
+        Matmul parameters are all but the embedding table (the output projection counts, tied or
+        not). Attention scores and values cost 2 x 2 x seq x dim per token and layer forward, halved
+        for the causal mask, x 3 for forward + backward: 6 x n_layers x seq x dim.
+        """
+        params = sum(p.numel() for p in self.parameters())
+        if not self.args.tie_embeddings:
+            params -= self.tok_embeddings.weight.numel()
+        attention = 6 * self.args.n_layers * seq_len * self.args.dim
+        return 6 * params + attention

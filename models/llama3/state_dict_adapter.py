@@ -1,0 +1,83 @@
+"""Llama 3 state dicts to and from Hugging Face `LlamaForCausalLM` names and layout.
+
+Meta's RoPE rotates interleaved pairs; Hugging Face's rotates the two halves of each head. The same
+model in HF layout therefore has the rows of wq and wk permuted within each head.
+"""
+
+import re
+
+import torch
+
+from models.llama3.model import Llama3Args
+
+# Our name -> HF name; {} is the layer index.
+_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
+
+
+_TO_HF = [(_pattern(ours), hf) for ours, hf in _NAMES.items()]
+_FROM_HF = [(_pattern(hf), ours) for ours, hf in _NAMES.items()]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
+    for pattern, target in table:
+        match = pattern.match(name)
+        if match:
+            return target.format(*match.groups())
+    raise KeyError(f"no Hugging Face counterpart known for '{name}'")
+
+
+def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class Llama3StateDictAdapter:
+    def __init__(self, args: Llama3Args):
+        self.args = args
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hf = {}
+        for name, tensor in state_dict.items():
+            if name == "output.weight" and self.args.tie_embeddings:
+                continue  # HF stores tied weights once, as embed_tokens
+            if name.endswith("attention.wq.weight"):
+                tensor = _interleaved_to_halves(tensor, self.args.n_heads)
+            elif name.endswith("attention.wk.weight"):
+                tensor = _interleaved_to_halves(tensor, self.args.n_kv_heads)
+            hf[_rename(name, _TO_HF)] = tensor
+        return hf
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ours = {}
+        for hf_name, tensor in hf_state_dict.items():
+            name = _rename(hf_name, _FROM_HF)
+            if name.endswith("attention.wq.weight"):
+                tensor = _halves_to_interleaved(tensor, self.args.n_heads)
+            elif name.endswith("attention.wk.weight"):
+                tensor = _halves_to_interleaved(tensor, self.args.n_kv_heads)
+            ours[name] = tensor
+        if self.args.tie_embeddings:
+            ours.pop("output.weight", None)
+        return ours

@@ -1,0 +1,38 @@
+"""What a model family hands to the rest of the repository: one ModelSpec per folder under models/."""
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from configs import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    model_cls: type[nn.Module]
+    """Built as model_cls(args). It must provide init_weights() (random init from torch's global
+    RNG, each module initializing its own subtree), init_buffers() and flops_per_token(seq_len)."""
+    flavors: dict[str, Any]
+    """Flavor name -> args dataclass, which must have the fields vocab_size and max_seq_len."""
+    state_dict_adapter: Any = None
+    """Converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
+    parallelize_plan: Callable | None = None
+    """Applies the family's tensor-parallel plan (filled in by the parallelism work)."""
+    pipeline_split: Callable | None = None
+    """Names the modules of each pipeline stage (filled in by the pipeline work)."""
+
+
+def model_args(spec: ModelSpec, flavor: str, seq_len: int, tokenizer_vocab_size: int) -> Any:
+    """The flavor's args for this run: RoPE table of seq_len, vocabulary checked against the tokenizer."""
+    args = spec.flavors[flavor]
+    vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64
+    if tokenizer_vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_vocab_size} tokens but model {spec.name} {flavor} has a "
+            f"vocabulary of {vocab_size}; use a matching model.hf_assets_path or flavor"
+        )
+    return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=seq_len)

@@ -1,0 +1,142 @@
+"""Pretrain a language model: the whole loop, top to bottom.
+
+    python train.py --config configs/llama3_debug.toml                    # one process
+    torchrun --standalone --nproc-per-node 8 train.py --config configs/llama3_8b.toml
+    torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        train.py --config configs/llama3_70b.toml --training.steps 1000  # any key can be overridden
+
+Where things live: configs/ (schema and loader), models/ (architectures, registry), data/ (tokenizer,
+sources, packing, loader), training/ (process setup, init, optimizer, loss, metrics).
+"""
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from configs import ConfigError, config_to_toml, load_config
+from data.loader import build_dataloader
+from data.tokenizer import build_tokenizer
+from models import check_flavor, get_model_spec
+from models.spec import model_args
+from training import distributed
+from training.loss import IGNORE_INDEX, cross_entropy_sum
+from training.metrics import MetricsLogger, peak_tflops
+from training.optimizer import build_lr_scheduler, build_optimizer
+from training.weight_init import init_weights
+
+logger = logging.getLogger("train")
+
+
+def train(argv: list[str]) -> None:
+    config = load_config(argv)
+    distributed.setup_logging()
+    device = distributed.select_device(config.training.device)
+    distributed.init_process_group(device)
+    if distributed.world_size() > 1:
+        raise ConfigError("more than one process needs the [parallelism] section, not built yet")
+    is_logging_rank = distributed.rank() == 0
+    dump_folder = Path(config.job.dump_folder)
+    if is_logging_rank:
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        (dump_folder / "config.toml").write_text(config_to_toml(config))
+    if config.job.description:
+        logger.info(config.job.description)
+
+    # Model: built on the meta device (no memory), then materialized and initialized from the seed.
+    spec = get_model_spec(config.model.name)
+    check_flavor(spec, config.model.flavor)
+    tokenizer = build_tokenizer(config.model.hf_assets_path)
+    args = model_args(spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+        template = spec.model_cls(args)  # unsharded reference for layout-independent init
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = model.flops_per_token(config.training.seq_len)
+    model.to_empty(device=device)
+    init_weights(model, template, config.job.seed)
+    model.init_buffers()
+    model.train()
+    logger.info(f"model {spec.name} {config.model.flavor}: {num_params:,} parameters on {device}")
+
+    # bf16 autocast on CUDA; float32 on CPU, where bf16 matmuls are slow.
+    use_bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
+    autocast = torch.autocast("cuda", torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+
+    optimizer = build_optimizer(model, config.optimizer, device)
+    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+
+    # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
+    dp_degree, dp_rank = 1, 0
+    local_batch = config.training.local_batch_size
+    global_batch = config.training.global_batch_size
+    if global_batch == -1:
+        global_batch = local_batch * dp_degree
+    if global_batch % (local_batch * dp_degree):
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
+            f"data-parallel degree ({local_batch} x {dp_degree})"
+        )
+    accumulation_steps = global_batch // (local_batch * dp_degree)
+    dataloader = build_dataloader(
+        config.training, tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda"
+    )
+    batches = iter(dataloader)
+
+    metrics = MetricsLogger(
+        str(dump_folder), device, global_batch * config.training.seq_len, distributed.world_size(),
+        flops_per_token, config.training.steps, peak_tflops(device, config.metrics.peak_tflops),
+        write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
+    )
+    logger.info(
+        f"training {config.training.steps} steps: global batch {global_batch} x {config.training.seq_len} "
+        f"tokens ({local_batch} per micro-batch x {dp_degree} data-parallel x {accumulation_steps} "
+        f"accumulation), output in {dump_folder}"
+    )
+    max_norm = config.training.max_norm if config.training.max_norm > 0 else float("inf")
+    metrics.start(0)
+    for step in range(1, config.training.steps + 1):
+        micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        # Each token weighs the same whatever micro-batch or rank it lands on.
+        num_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)
+        num_tokens = distributed.all_reduce_sum(num_tokens.float()).item()
+        step_loss = torch.zeros((), device=device)
+        for batch in micro_batches:
+            inputs = batch["input"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
+            with autocast:
+                logits = model(inputs)
+            loss = cross_entropy_sum(logits, labels) / num_tokens
+            del logits
+            loss.backward()
+            step_loss += loss.detach()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        lr = lr_scheduler.get_last_lr()[0]
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        if step % config.metrics.log_freq == 0 or step == config.training.steps:
+            loss_value = distributed.all_reduce_sum(step_loss).item()
+            metrics.log(step, loss_value, grad_norm.item(), lr)
+
+    metrics.close()
+    logger.info("training done")
+
+
+def main() -> int:
+    try:
+        train(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Process set-up: device choice, the process group under torchrun, logging, collectives on scalars."""
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from configs import ConfigError
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup_logging() -> None:
+    """Rank 0 logs at INFO; other ranks only warnings and errors (prefixed with their rank)."""
+    prefix = f"[rank{rank()}] " if world_size() > 1 and rank() != 0 else ""
+    logging.basicConfig(
+        level=logging.INFO if rank() == 0 else logging.WARNING,
+        format=f"%(asctime)s {prefix}%(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def select_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device = 'cuda' but no CUDA device is available")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_process_group(device: torch.device) -> None:
+    """Join the torchrun job (if launched by torchrun); a plain `python train.py` stays alone."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        return
+    # gloo serves CPU tensors (also on GPU machines, for small host-side reductions).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+    return value
+
+
+def destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,120 @@
+"""Progress line, metrics.jsonl and TensorBoard: throughput, MFU, memory and ETA per logged step.
+
+tps is tokens per second per device (global tokens / time / world size), as torchtitan reports it.
+TFLOP/s per device = tps x flops_per_token, where flops_per_token is the model's own count
+(6 x matmul parameters + causal attention, see the model's flops_per_token). MFU divides that by
+the device's peak dense bf16 rate.
+"""
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Peak dense bf16 TFLOP/s (no sparsity) from the vendors' datasheets, matched against the GPU name.
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),  # SXM
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("B200", 2250.0),
+    ("GB200", 2500.0),
+]
+
+
+def peak_tflops(device: torch.device, override: float) -> float | None:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in name:
+            return tflops
+    logger.warning(f"no peak TFLOP/s known for '{name}': set metrics.peak_tflops for MFU")
+    return None
+
+
+def _memory_gib(device: torch.device) -> float:
+    """Peak memory since the last call: CUDA memory reserved by the allocator, else process RSS."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Collects per-step timings; every log_freq steps prints a line and appends to metrics.jsonl."""
+
+    def __init__(self, dump_folder: str, device: torch.device, tokens_per_step: int, world_size: int,
+                 flops_per_token: float, total_steps: int, peak: float | None, write: bool,
+                 enable_tensorboard: bool):
+        self.device = device
+        self.tokens_per_step = tokens_per_step
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.total_steps = total_steps
+        self.peak = peak
+        self.write = write  # only one rank writes files
+        self.jsonl = Path(dump_folder) / "metrics.jsonl"
+        self.tensorboard = None
+        if write and enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"))
+        self.last_time = time.perf_counter()
+        self.last_step = 0
+
+    def start(self, step: int) -> None:
+        """Restart the clock (after set-up, or after a pause such as a checkpoint save)."""
+        self.last_time, self.last_step = time.perf_counter(), step
+
+    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / max(step - self.last_step, 1)
+        tps = self.tokens_per_step / step_time / self.world_size
+        tflops = tps * self.flops_per_token / 1e12
+        record = {
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tps": round(tps, 1),
+            "tflops": round(tflops, 3),
+            "mfu": round(100 * tflops / self.peak, 2) if self.peak else None,
+            "memory_gib": round(_memory_gib(self.device), 3),
+        }
+        eta = _duration(step_time * (self.total_steps - step))
+        mfu = f"{record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        logger.info(
+            f"step {step:>{len(str(self.total_steps))}} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | "
+            f"lr {lr:.2e} | tok/s {tps:,.0f} | tflops {tflops:.1f} | mfu {mfu} | "
+            f"mem {record['memory_gib']:.2f} GiB | eta {eta}"
+        )
+        if self.write:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.tensorboard is not None:
+                for key, value in record.items():
+                    if key != "step" and value is not None:
+                        self.tensorboard.add_scalar(key, value, step)
+                self.tensorboard.flush()
+        self.last_time, self.last_step = time.perf_counter(), step
+        return record
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
