@@ -25,7 +25,7 @@ from training import distributed
 from training.loss import IGNORE_INDEX, cross_entropy_sum
 from training.metrics import MetricsLogger, peak_tflops
 from training.optimizer import build_lr_scheduler, build_optimizer
-from training.weight_init import init_weights
+from training.weight_init import init_weights, materialize
 
 logger = logging.getLogger("train")
 
@@ -55,7 +55,7 @@ def train(argv: list[str]) -> None:
         template = spec.model_cls(args)  # unsharded reference for layout-independent init
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(config.training.seq_len)
-    model.to_empty(device=device)
+    materialize(model, device)
     init_weights(model, template, config.job.seed)
     model.init_buffers()
     model.train()
@@ -86,9 +86,15 @@ def train(argv: list[str]) -> None:
     batches = iter(dataloader)
 
     metrics = MetricsLogger(
-        str(dump_folder), device, global_batch * config.training.seq_len, distributed.world_size(),
-        flops_per_token, config.training.steps, peak_tflops(device, config.metrics.peak_tflops),
-        write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
+        str(dump_folder),
+        device,
+        global_batch * config.training.seq_len,
+        distributed.world_size(),
+        flops_per_token,
+        config.training.steps,
+        peak_tflops(device, config.metrics.peak_tflops),
+        write=is_logging_rank,
+        enable_tensorboard=config.metrics.enable_tensorboard,
     )
     logger.info(
         f"training {config.training.steps} steps: global batch {global_batch} x {config.training.seq_len} "

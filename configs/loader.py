@@ -194,8 +194,11 @@ def check_values(config: JobConfig) -> None:
     t, o, s = config.training, config.optimizer, config.lr_scheduler
     rules = [
         ("training.local_batch_size", t.local_batch_size >= 1, "must be >= 1"),
-        ("training.global_batch_size", t.global_batch_size == -1 or t.global_batch_size >= 1,
-         "must be >= 1, or -1 for local_batch_size x data-parallel degree"),
+        (
+            "training.global_batch_size",
+            t.global_batch_size == -1 or t.global_batch_size >= 1,
+            "must be >= 1, or -1 for local_batch_size x data-parallel degree",
+        ),
         ("training.seq_len", t.seq_len >= 1, "must be >= 1"),
         ("training.steps", t.steps >= 1, "must be >= 1"),
         ("training.max_norm", t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
@@ -210,8 +213,11 @@ def check_values(config: JobConfig) -> None:
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
         ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
         ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
-        ("training.dataset_path", t.dataset == "python_docs" or t.dataset_path != "",
-         f"is required when training.dataset = '{t.dataset}'"),
+        (
+            "training.dataset_path",
+            t.dataset == "python_docs" or t.dataset_path != "",
+            f"is required when training.dataset = '{t.dataset}'",
+        ),
     ]
     for key, ok, message in rules:
         if not ok:

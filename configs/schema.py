@@ -128,7 +128,7 @@ class Metrics:
     """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
 
     enable_tensorboard: bool = True
-    """Also write the metrics as TensorBoard scalars under <dump_folder>/tb."""
+    """Also write the metrics as TensorBoard scalars under tb/ in the dump folder."""
 
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s per device for MFU; 0 = look the GPU up in a table (A100, H100,

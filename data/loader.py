@@ -8,6 +8,7 @@ another number of ranks reads exactly the samples the uninterrupted run would ha
 """
 
 import logging
+import warnings
 
 import torch
 from torch.utils.data import IterableDataset
@@ -20,13 +21,21 @@ from data.sources import build_document_source
 from data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+# torchdata 0.11 calls an API that torch >= 2.9 deprecates; nothing for users to act on.
+warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
 
 
 class GlobalOrderDataset(IterableDataset):
     """Yields this rank's samples, step after step, as {"tokens": (L + 1,), "sample_id": k}."""
 
-    def __init__(self, source: PackedTextStream | TokenShards, seq_len: int, global_batch_size: int,
-                 dp_rank: int, dp_degree: int):
+    def __init__(
+        self,
+        source: PackedTextStream | TokenShards,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+    ):
         assert global_batch_size % dp_degree == 0, "global batch must divide over data-parallel ranks"
         self.source = source
         self.seq_len = seq_len
@@ -63,6 +72,7 @@ class GlobalOrderDataset(IterableDataset):
         return {
             "cursor": self.cursor,
             "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
             "anchor_token": self.anchor_token,
             "anchor_position": list(self.anchor_position),
         }
@@ -75,6 +85,12 @@ class GlobalOrderDataset(IterableDataset):
             logger.warning(
                 f"training.seq_len changed from {state['seq_len']} to {self.seq_len}: continuing at the "
                 f"same token ({cursor * self.seq_len}), sample {cursor} of the new length"
+            )
+        if state["global_batch_size"] != self.global_batch_size:
+            logger.warning(
+                f"training.global_batch_size changed from {state['global_batch_size']} to "
+                f"{self.global_batch_size}: the next step reads samples {cursor} to "
+                f"{cursor + self.global_batch_size - 1}, continuing the same global order"
             )
         self.cursor = cursor
         self.anchor_token = state["anchor_token"]
@@ -102,20 +118,32 @@ def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShar
             )
         return shards
     documents = build_document_source(
-        training.dataset, training.dataset_path, training.dataset_text_field,
-        training.dataset_subset, training.dataset_split,
+        training.dataset,
+        training.dataset_path,
+        training.dataset_text_field,
+        training.dataset_subset,
+        training.dataset_split,
     )
     return PackedTextStream(documents, tokenizer, training.seq_len)
 
 
-def build_dataloader(training, tokenizer: Tokenizer, global_batch_size: int, dp_rank: int,
-                     dp_degree: int, pin_memory: bool = False) -> StatefulDataLoader:
+def build_dataloader(
+    training,
+    tokenizer: Tokenizer,
+    global_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    pin_memory: bool = False,
+) -> StatefulDataLoader:
     dataset = GlobalOrderDataset(
         build_source(training, tokenizer), training.seq_len, global_batch_size, dp_rank, dp_degree
     )
     # In-process loading: the state must be exact at every step boundary, and packing is cheap next
     # to a training step (pretokenize large corpora with scripts/prepare_data.py).
     return StatefulDataLoader(
-        dataset, batch_size=training.local_batch_size, collate_fn=_collate, num_workers=0,
+        dataset,
+        batch_size=training.local_batch_size,
+        collate_fn=_collate,
+        num_workers=0,
         pin_memory=pin_memory,
     )

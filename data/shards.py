@@ -6,8 +6,8 @@ directly, so every rank reads only its own samples. Past the end the stream star
 """
 
 import json
-from functools import partial
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,9 @@ from configs import ConfigError
 FORMAT = "recipe-token-shards-v1"
 
 
-def write_meta(folder: Path, dtype: str, vocab_size: int, eos_id: int, tokenizer: str, shards: list[dict]) -> None:
+def write_meta(
+    folder: Path, dtype: str, vocab_size: int, eos_id: int, tokenizer: str, shards: list[dict]
+) -> None:
     meta = {
         "format": FORMAT,
         "dtype": dtype,
@@ -34,7 +36,8 @@ class TokenShards:
         meta_path = Path(folder) / "meta.json"
         if not meta_path.is_file():
             raise ConfigError(
-                f"training.dataset_path '{folder}' has no meta.json; write token shards with scripts/prepare_data.py"
+                f"training.dataset_path '{folder}' has no meta.json; "
+                "write token shards with scripts/prepare_data.py"
             )
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:

@@ -31,9 +31,7 @@ def find_text_files(dataset_path: str) -> list[Path]:
         candidates = [Path(p) for p in glob.glob(dataset_path, recursive=True)]
     files = sorted(p for p in candidates if p.suffix in TEXT_SUFFIXES)
     if not files:
-        raise ConfigError(
-            f"training.dataset_path '{dataset_path}' names no .txt, .jsonl or .parquet files"
-        )
+        raise ConfigError(f"training.dataset_path '{dataset_path}' names no .txt, .jsonl or .parquet files")
     return files
 
 
@@ -84,7 +82,9 @@ def hf_documents(name: str, subset: str, split: str, text_field: str) -> Documen
     try:
         import datasets
     except ImportError:
-        raise ConfigError("training.dataset = 'hf' needs the `datasets` package (pip install datasets)") from None
+        raise ConfigError(
+            "training.dataset = 'hf' needs the `datasets` package (pip install datasets)"
+        ) from None
 
     def documents(start: int) -> Iterator[str]:
         stream = datasets.load_dataset(name, subset or None, split=split, streaming=True)
@@ -94,7 +94,9 @@ def hf_documents(name: str, subset: str, split: str, text_field: str) -> Documen
     return documents
 
 
-def build_document_source(dataset: str, dataset_path: str, text_field: str, subset: str, split: str) -> DocumentSource:
+def build_document_source(
+    dataset: str, dataset_path: str, text_field: str, subset: str, split: str
+) -> DocumentSource:
     if dataset == "python_docs":
         return text_file_documents([SAMPLE_CORPUS], "text")
     if dataset == "text":

@@ -35,10 +35,16 @@ def peak_tflops(device: torch.device, override: float) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
+    peak = lookup_peak_tflops(name)
+    if peak is None:
+        logger.warning(f"no peak TFLOP/s known for '{name}': set metrics.peak_tflops for MFU")
+    return peak
+
+
+def lookup_peak_tflops(device_name: str) -> float | None:
     for key, tflops in PEAK_BF16_TFLOPS:
-        if key in name:
+        if key in device_name:
             return tflops
-    logger.warning(f"no peak TFLOP/s known for '{name}': set metrics.peak_tflops for MFU")
     return None
 
 
@@ -59,9 +65,18 @@ def _duration(seconds: float) -> str:
 class MetricsLogger:
     """Collects per-step timings; every log_freq steps prints a line and appends to metrics.jsonl."""
 
-    def __init__(self, dump_folder: str, device: torch.device, tokens_per_step: int, world_size: int,
-                 flops_per_token: float, total_steps: int, peak: float | None, write: bool,
-                 enable_tensorboard: bool):
+    def __init__(
+        self,
+        dump_folder: str,
+        device: torch.device,
+        tokens_per_step: int,
+        world_size: int,
+        flops_per_token: float,
+        total_steps: int,
+        peak: float | None,
+        write: bool,
+        enable_tensorboard: bool,
+    ):
         self.device = device
         self.tokens_per_step = tokens_per_step
         self.world_size = world_size

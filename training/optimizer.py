@@ -36,9 +36,9 @@ def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
     stable = steps - warmup - decay
     if step_index < warmup:
         return (step_index + 1) / (warmup + 1)
-    if step_index < warmup + stable:
+    if step_index < warmup + stable or decay == 0:
         return 1.0
-    progress = (step_index - warmup - stable) / decay
+    progress = min((step_index - warmup - stable) / decay, 1.0)  # the scheduler looks one step past the end
     shape = {
         "linear": 1 - progress,
         "sqrt": 1 - math.sqrt(progress),

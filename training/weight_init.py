@@ -42,6 +42,19 @@ def _initializer_of(template: nn.Module, owner: str) -> nn.Module:
     raise ValueError(f"no init_weights() above '{owner}' in {type(template).__name__}")
 
 
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """model.to_empty(device), keeping tied parameters tied (to_empty would untie them)."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    model.to_empty(device=device)
+    for first, *others in (names for names in names_of.values() if len(names) > 1):
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, template: nn.Module, seed: int) -> None:
     """Fill every parameter of `model` (materialized, maybe sharded) with seeded values.

@@ -7,17 +7,27 @@ from models.spec import ModelSpec
 flavors = {
     # Tiny shapes for tests and laptops; vocab_size 0 = the tokenizer's (byte tokenizer: 258 -> 320).
     "tiny": Llama3Args(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden_dim=128, vocab_size=0),
-    "debugmodel": Llama3Args(
-        dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn_hidden_dim=768, vocab_size=0
-    ),
+    "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, n_kv_heads=4, ffn_hidden_dim=768, vocab_size=0),
     # Llama 3.2 (tied embeddings, RoPE scaling factor 32).
     "1B": Llama3Args(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=128256,
-        rope_scaling_factor=32.0, tie_embeddings=True,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden_dim=8192,
+        vocab_size=128256,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
     ),
     "3B": Llama3Args(
-        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_hidden_dim=8192, vocab_size=128256,
-        rope_scaling_factor=32.0, tie_embeddings=True,
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        n_kv_heads=8,
+        ffn_hidden_dim=8192,
+        vocab_size=128256,
+        rope_scaling_factor=32.0,
+        tie_embeddings=True,
     ),
     # Llama 3.1 (RoPE scaling factor 8).
     "8B": Llama3Args(

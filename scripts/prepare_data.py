@@ -1,0 +1,103 @@
+"""Tokenize a corpus once into memory-mapped token shards (training.dataset = "tokens").
+
+    python scripts/prepare_data.py --dataset text --dataset-path "corpus/*.jsonl" \\
+        --hf-assets-path assets/llama3 --output data/corpus_llama3
+    python scripts/prepare_data.py --dataset python_docs --output /tmp/python_docs_bytes
+
+Each document becomes its tokens followed by EOS, in the order training would read it. Shards are
+raw uint16 (vocabulary <= 65536) or uint32 files plus meta.json. The output folder is written under
+a temporary name and renamed when complete; an existing folder is never overwritten.
+"""
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from configs import ConfigError  # noqa: E402
+from data.shards import write_meta  # noqa: E402
+from data.sources import build_document_source  # noqa: E402
+from data.tokenizer import build_tokenizer  # noqa: E402
+
+
+def prepare(args: argparse.Namespace) -> None:
+    output = Path(args.output)
+    if output.exists():
+        raise ConfigError(f"--output '{output}' already exists; choose a new folder")
+    tokenizer = build_tokenizer(args.hf_assets_path)
+    documents = build_document_source(
+        args.dataset, args.dataset_path, args.text_field, args.subset, args.split
+    )
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    partial = output.with_name(output.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)  # our own leftover from an interrupted run
+    partial.mkdir(parents=True)
+
+    shards: list[dict] = []
+    pending: list[np.ndarray] = []
+    pending_tokens = 0
+    total_documents = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_tokens
+        name = f"tokens-{len(shards):05d}.bin"
+        np.concatenate(pending).astype(dtype).tofile(partial / name)
+        shards.append({"file": name, "num_tokens": pending_tokens})
+        print(f"wrote {name}: {pending_tokens:,} tokens", flush=True)
+        pending, pending_tokens = [], 0
+
+    batch: list[str] = []
+    for text in _with_end(documents(0)):
+        if text is not None:
+            batch.append(text)
+        if batch and (len(batch) == 1024 or text is None):
+            for ids in tokenizer.encode_batch(batch):
+                pending.append(np.asarray(ids + [tokenizer.eos_id], dtype=np.int64))
+                pending_tokens += len(ids) + 1
+            total_documents += len(batch)
+            batch = []
+        if pending_tokens >= args.shard_tokens or (text is None and pending_tokens):
+            flush()
+    if total_documents == 0:
+        shutil.rmtree(partial)
+        raise ConfigError("the dataset has no documents")
+    tokenizer_name = args.hf_assets_path or "byte"
+    write_meta(partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name, shards)
+    partial.rename(output)
+    total = sum(s["num_tokens"] for s in shards)
+    print(f"{total_documents:,} documents, {total:,} tokens in {len(shards)} shards -> {output}")
+
+
+def _with_end(documents):
+    """The documents, then None to mark the end."""
+    yield from documents
+    yield None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dataset", choices=["python_docs", "text", "hf"], default="text")
+    parser.add_argument("--dataset-path", default="", help="file, folder or glob (text); name (hf)")
+    parser.add_argument("--text-field", default="text", help="field of .jsonl/.parquet rows")
+    parser.add_argument("--subset", default="", help="HF dataset configuration name")
+    parser.add_argument("--split", default="train", help="HF dataset split")
+    parser.add_argument("--hf-assets-path", default="", help="folder with tokenizer.json; empty = bytes")
+    parser.add_argument("--output", required=True, help="new folder for the shards")
+    parser.add_argument("--shard-tokens", type=int, default=2**28, help="tokens per shard file")
+    try:
+        prepare(parser.parse_args())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

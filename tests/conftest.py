@@ -1,0 +1,70 @@
+"""Shared helpers: run train.py (plain or under torchrun) in a subprocess and read its metrics."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Small, fast settings for end-to-end runs on CPU (fp32, one thread per rank).
+TINY = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "4",
+    "--training.steps", "6",
+    "--lr_scheduler.warmup_steps", "2",
+    "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false",
+    "--training.device", "cpu",
+]  # fmt: skip
+
+
+def _env(threads: int | None) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def run_train(
+    args: list[str],
+    nproc: int | None = None,
+    cwd: Path = REPO,
+    check: bool = True,
+    timeout: int = 600,
+    threads: int | None = 1,
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS`, or `torchrun --standalone --nproc-per-node N train.py ARGS`.
+
+    One thread per process by default (ranks share the CPU; results do not depend on the core
+    count); threads=None leaves torch's default, for a lone process that should use every core.
+    """
+    if nproc is None:
+        command = [sys.executable, str(REPO / "train.py"), *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", str(REPO / "train.py"), *args]  # fmt: skip
+    result = subprocess.run(
+        command, cwd=cwd, env=_env(threads), capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
