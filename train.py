@@ -6,11 +6,13 @@
         train.py --config configs/llama3_70b.toml --training.steps 1000  # any key can be overridden
 
 Where things live: configs/ (schema and loader), models/ (architectures, registry), data/ (tokenizer,
-sources, packing, loader), training/ (process setup, init, optimizer, loss, metrics).
+sources, packing, loader), parallelisms/ (mesh, FSDP, TP), training/ (process setup, init,
+optimizer, loss, clipping, metrics).
 """
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +23,11 @@ from data.loader import build_dataloader
 from data.tokenizer import build_tokenizer
 from models import check_flavor, get_model_spec
 from models.spec import model_args
+from parallelisms import ParallelDims, parallelize
+from parallelisms.fsdp import set_gradient_sync
+from parallelisms.tensor_parallel import loss_parallel_context
 from training import distributed
+from training.grad_clip import clip_grad_norm_
 from training.loss import IGNORE_INDEX, cross_entropy_sum
 from training.metrics import MetricsLogger, peak_tflops
 from training.optimizer import build_lr_scheduler, build_optimizer
@@ -34,9 +40,10 @@ def train(argv: list[str]) -> None:
     config = load_config(argv)
     distributed.setup_logging()
     device = distributed.select_device(config.training.device)
+    dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     distributed.init_process_group(device)
-    if distributed.world_size() > 1:
-        raise ConfigError("more than one process needs the [parallelism] section, not built yet")
+    mesh = dims.build_mesh(device.type)
+    dp_group = mesh["dp"].get_group()  # ranks holding different data
     is_logging_rank = distributed.rank() == 0
     dump_folder = Path(config.job.dump_folder)
     if is_logging_rank:
@@ -45,31 +52,42 @@ def train(argv: list[str]) -> None:
     if config.job.description:
         logger.info(config.job.description)
 
-    # Model: built on the meta device (no memory), then materialized and initialized from the seed.
+    # Model: built on the meta device (no memory), parallelized, then materialized and initialized.
     spec = get_model_spec(config.model.name)
     check_flavor(spec, config.model.flavor)
     tokenizer = build_tokenizer(config.model.hf_assets_path)
     args = model_args(spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size)
+    if dims.tp_enabled:
+        dims.check_divisibility(spec.tensor_parallel_sizes(args, config.training.seq_len))
     with torch.device("meta"):
         model = spec.model_cls(args)
         template = spec.model_cls(args)  # unsharded reference for layout-independent init
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(config.training.seq_len)
+    parallelize(model, spec, dims, mesh, config, device)
     materialize(model, device)
     init_weights(model, template, config.job.seed)
     model.init_buffers()
     model.train()
-    logger.info(f"model {spec.name} {config.model.flavor}: {num_params:,} parameters on {device}")
+    logger.info(
+        f"model {spec.name} {config.model.flavor}: {num_params:,} parameters on {device}, {dims.describe()}"
+    )
 
-    # bf16 autocast on CUDA; float32 on CPU, where bf16 matmuls are slow.
+    # Mixed precision: FSDP casts parameters itself; an unwrapped model on CUDA uses bf16 autocast.
+    # CPU runs stay in float32, where bf16 matmuls are slow.
     use_bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
-    autocast = torch.autocast("cuda", torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    autocast = (
+        torch.autocast("cuda", torch.bfloat16)
+        if use_bf16 and not dims.fsdp_enabled
+        else contextlib.nullcontext()
+    )
+    use_loss_parallel = dims.tp_enabled and config.parallelism.enable_loss_parallel
 
     optimizer = build_optimizer(model, config.optimizer, device)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
-    dp_degree, dp_rank = 1, 0
+    dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
     local_batch = config.training.local_batch_size
     global_batch = config.training.global_batch_size
     if global_batch == -1:
@@ -107,26 +125,28 @@ def train(argv: list[str]) -> None:
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
         # Each token weighs the same whatever micro-batch or rank it lands on.
         num_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)
-        num_tokens = distributed.all_reduce_sum(num_tokens.float()).item()
+        num_tokens = distributed.all_reduce_sum(num_tokens.float(), dp_group).item()
         step_loss = torch.zeros((), device=device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
+            set_gradient_sync(model, index == len(micro_batches) - 1)
             inputs = batch["input"].to(device, non_blocking=True)
             labels = batch["labels"].to(device, non_blocking=True)
-            with autocast:
-                logits = model(inputs)
-            loss = cross_entropy_sum(logits, labels) / num_tokens
-            del logits
-            loss.backward()
+            with loss_parallel_context(use_loss_parallel):
+                with autocast:
+                    logits = model(inputs)
+                loss = cross_entropy_sum(logits, labels) / num_tokens
+                del logits
+                loss.backward()
             step_loss += loss.detach()
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
         lr = lr_scheduler.get_last_lr()[0]
         optimizer.step()
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
-            loss_value = distributed.all_reduce_sum(step_loss).item()
+            loss_value = distributed.all_reduce_sum(step_loss, dp_group).item()
             metrics.log(step, loss_value, grad_norm.item(), lr)
 
     metrics.close()
@@ -137,7 +157,9 @@ def main() -> int:
     try:
         train(sys.argv[1:])
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        # Every rank finds the same mistake: one line per node is enough.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         distributed.destroy_process_group()

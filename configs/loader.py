@@ -191,7 +191,7 @@ def _type_name(annotation: Any) -> str:
 
 def check_values(config: JobConfig) -> None:
     """Range checks that types alone cannot express."""
-    t, o, s = config.training, config.optimizer, config.lr_scheduler
+    t, o, s, p = config.training, config.optimizer, config.lr_scheduler, config.parallelism
     rules = [
         ("training.local_batch_size", t.local_batch_size >= 1, "must be >= 1"),
         (
@@ -211,6 +211,13 @@ def check_values(config: JobConfig) -> None:
         ("lr_scheduler.decay_ratio", 0 < s.decay_ratio <= 1, "must be in (0, 1]"),
         ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
+        ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree >= 1, "must be >= 1"),
+        (
+            "parallelism.data_parallel_shard_degree",
+            p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+            "must be >= 1, or -1 (infer)",
+        ),
+        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree >= 1, "must be >= 1"),
         ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
         ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
         (

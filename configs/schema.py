@@ -123,6 +123,31 @@ class LRScheduler:
 
 
 @dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """HSDP replicas: groups of ranks that each hold a full (FSDP-sharded) copy of the model and
+    all-reduce gradients between them. 1 = plain FSDP."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP sharding degree; -1 = every rank the other degrees leave (world size / the others)."""
+
+    fsdp_single_device: bool = False
+    """Wrap the model in FSDP even with one data-parallel rank (a single GPU), which then applies its
+    mixed precision (bf16 parameters cast once per forward) instead of autocast."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free the gathered parameters after forward (re-gather in backward): default = every block but
+    the last, always = also the last and the root, never = keep them (more memory, less traffic)."""
+
+    tensor_parallel_degree: int = 1
+    """Tensor parallelism (Megatron-style, with sequence parallel norms) over this many ranks."""
+
+    enable_loss_parallel: bool = True
+    """With tensor parallelism: keep logits sharded over the vocabulary and compute cross-entropy
+    on the shards, instead of gathering full logits on every rank."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
@@ -142,4 +167,5 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     metrics: Metrics = field(default_factory=Metrics)

@@ -21,7 +21,9 @@ class ModelSpec:
     state_dict_adapter: Any = None
     """Converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
     parallelize_plan: Callable | None = None
-    """Applies the family's tensor-parallel plan (filled in by the parallelism work)."""
+    """plan(model, tp_mesh, loss_parallel): applies the family's tensor-parallel plan in place."""
+    tensor_parallel_sizes: Callable | None = None
+    """sizes(args, seq_len) -> {name: size} that the tensor-parallel degree must divide."""
     pipeline_split: Callable | None = None
     """Names the modules of each pipeline stage (filled in by the pipeline work)."""
 

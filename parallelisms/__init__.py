@@ -1,4 +1,47 @@
-"""Parallelisms (FSDP2/HSDP, tensor, pipeline and context parallelism) applied from [parallelism].
+"""Parallelisms, applied from the [parallelism] section by the one entry below.
 
-Being built: until then train.py runs one process (see docs/architecture.md for the plan).
+parallel_dims.py  degrees, checks and the device mesh
+tensor_parallel.py  applying a model's TP plan, loss parallelism
+fsdp.py  FSDP2 / HSDP
 """
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from configs.schema import JobConfig
+from models.spec import ModelSpec
+from parallelisms.fsdp import apply_fsdp
+from parallelisms.parallel_dims import ParallelDims
+from parallelisms.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(
+    model: nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    config: JobConfig,
+    device: torch.device,
+) -> None:
+    """Apply the parallelisms to a meta-device model, in place, in this order (the order matters):
+
+    1. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
+       the loss is computed on vocabulary shards when loss parallelism is on
+    2. FSDP on every block, then on the root: parameters are sharded over the data-parallel ranks
+       (2-D DTensors when tensor parallel came first), gradients reduced once per optimizer step
+    """
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, spec, mesh["tp"], config.parallelism.enable_loss_parallel)
+    if dims.fsdp_enabled:
+        bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh(mesh),
+            param_dtype=torch.bfloat16 if bf16 else torch.float32,
+            reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
+            reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+        )
+
+
+__all__ = ["ParallelDims", "parallelize"]

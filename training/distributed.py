@@ -43,17 +43,21 @@ def select_device(choice: str) -> torch.device:
 
 
 def init_process_group(device: torch.device) -> None:
-    """Join the torchrun job (if launched by torchrun); a plain `python train.py` stays alone."""
-    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+    """Join the torchrun job; a plain `python train.py` forms a group of one, so the code path (and
+    the device mesh) is the same for every launch."""
+    if dist.is_initialized():
         return
     # gloo serves CPU tensors (also on GPU machines, for small host-side reductions).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value)
+def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
     return value
 
 

@@ -1,6 +1,7 @@
 """Llama 3 family: flavors with Meta's shapes, and the spec that registers them."""
 
 from models.llama3.model import Llama3Args, Transformer
+from models.llama3.parallelize import apply_tensor_parallel_plan, tensor_parallel_sizes
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.spec import ModelSpec
 
@@ -46,4 +47,6 @@ spec = ModelSpec(
     model_cls=Transformer,
     flavors=flavors,
     state_dict_adapter=Llama3StateDictAdapter,
+    parallelize_plan=apply_tensor_parallel_plan,
+    tensor_parallel_sizes=tensor_parallel_sizes,
 )

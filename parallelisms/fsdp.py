@@ -1,0 +1,35 @@
+"""FSDP2 (fully_shard) per transformer block and the root, with mixed precision; HSDP on a 2-D mesh."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: str,
+) -> None:
+    """Shard every block of model.layers, then the root (embedding, final norm, output) together."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them by default.
+        reshard = {"always": True, "never": False, "default": index < len(blocks) - 1}[reshard_after_forward]
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always")
+    # The loss is already normalized by the global token count: gradients are summed, not averaged
+    # (divide factor 1, and plain SUM collectives, which every backend has).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """With gradient accumulation, reduce gradients only on the last micro-batch of a step."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,43 @@
+"""Tensor parallelism: apply a model's plan, keep tied weights tied, and loss parallelism.
+
+The per-model plan (which layer is column- or row-wise) lives in the model's folder
+(models/<name>/parallelize.py); this file holds what every model shares.
+"""
+
+import contextlib
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from models.spec import ModelSpec
+
+
+def tied_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that refer to one shared parameter (e.g. tied embedding and output)."""
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    return [names for names in names_of.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Point every name of each group back at the group's first parameter."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, shared)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, loss_parallel: bool
+) -> None:
+    groups = tied_parameter_names(model)
+    spec.parallelize_plan(model, tp_mesh, loss_parallel)
+    retie(model, groups)  # the plan replaces parameters module by module, which unties them
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """Cross-entropy on vocabulary-sharded logits; forward and backward must both run inside."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
