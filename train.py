@@ -10,6 +10,10 @@ sources, packing, loader), parallelisms/ (mesh, FSDP, TP), training/ (process se
 optimizer, loss, clipping, metrics).
 """
 
+import time
+
+START_TIME = time.time()  # before the heavy imports: time to first step counts them
+
 import contextlib
 import logging
 import os
@@ -145,6 +149,8 @@ def train(argv: list[str]) -> None:
         lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
+        if step == 1:
+            metrics.first_step_done(START_TIME)
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
             loss_value = distributed.all_reduce_sum(step_loss, dp_group).item()
             metrics.log(step, loss_value, grad_norm.item(), lr)

@@ -18,10 +18,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import ConfigError  # noqa: E402
-from data.shards import write_meta  # noqa: E402
-from data.sources import build_document_source  # noqa: E402
-from data.tokenizer import build_tokenizer  # noqa: E402
+from configs import ConfigError
+from data.shards import write_meta
+from data.sources import build_document_source
+from data.tokenizer import build_tokenizer
 
 
 def prepare(args: argparse.Namespace) -> None:

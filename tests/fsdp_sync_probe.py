@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import load_config  # noqa: E402
-from models import get_model_spec  # noqa: E402
-from models.spec import model_args  # noqa: E402
-from parallelisms import ParallelDims, parallelize  # noqa: E402
-from parallelisms.fsdp import set_gradient_sync  # noqa: E402
-from training.weight_init import init_weights, materialize  # noqa: E402
+from configs import load_config
+from models import get_model_spec
+from models.spec import model_args
+from parallelisms import ParallelDims, parallelize
+from parallelisms.fsdp import set_gradient_sync
+from training.weight_init import init_weights, materialize
 
 calls = 0
 

@@ -97,6 +97,12 @@ class MetricsLogger:
         """Restart the clock (after set-up, or after a pause such as a checkpoint save)."""
         self.last_time, self.last_step = time.perf_counter(), step
 
+    def first_step_done(self, start_time: float) -> None:
+        """Log how long start-up, initialization and the first step (with any compilation) took."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info(f"step 1 done {time.time() - start_time:.1f} s after start")
+
     def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
         now = time.perf_counter()
         step_time = (now - self.last_time) / max(step - self.last_step, 1)

@@ -1,0 +1,84 @@
+"""Benchmark a config: run N steps of train.py and print one JSON line of throughput and memory.
+
+    python scripts/benchmark.py --config configs/llama3_1b.toml --steps 30 -- --compile.enable
+    python scripts/benchmark.py --config configs/llama3_3b.toml --nproc 8 --out results.jsonl -- \\
+        --training.local_batch_size 2
+
+Everything after `--` is passed to train.py as overrides. The numbers are train.py's own metrics
+(per device): tps and TFLOP/s are the mean over the steps after --warmup, memory is the peak
+reserved by the CUDA allocator, and time_to_first_step_s runs from launch to the end of step 1
+(start-up, initialization and, with compile, compilation).
+"""
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run(args: argparse.Namespace, overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+            str(REPO / "train.py"), "--config", args.config, "--training.steps", str(args.steps),
+            "--metrics.log_freq", str(args.log_freq), "--metrics.enable_tensorboard", "false",
+            "--job.dump_folder", folder, *overrides,
+        ]  # fmt: skip
+        start = time.perf_counter()
+        result = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        log = result.stdout + result.stderr
+        if result.returncode != 0:
+            return {"name": args.name, "error": log[-3000:], "returncode": result.returncode}
+        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    measured = [r for r in records if r["step"] > args.warmup] or records[-1:]
+    first_step = re.search(r"step 1 done ([\d.]+) s after start", log)
+    mfu = [r["mfu"] for r in measured if r["mfu"] is not None]
+    return {
+        "name": args.name,
+        "config": args.config,
+        "nproc": args.nproc,
+        "overrides": " ".join(overrides),
+        "steps": args.steps,
+        "tps": round(statistics.mean(r["tps"] for r in measured)),
+        "tflops": round(statistics.mean(r["tflops"] for r in measured), 1),
+        "mfu": round(statistics.mean(mfu), 2) if mfu else None,
+        "memory_gib": max(r["memory_gib"] for r in records),
+        "time_to_first_step_s": float(first_step.group(1)) if first_step else None,
+        "final_loss": records[-1]["loss"],
+        "wall_s": round(wall, 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--name", default="", help="label for the result")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs)")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
+    parser.add_argument("--log-freq", type=int, default=5)
+    parser.add_argument("--out", help="also append the JSON line to this file")
+    argv = sys.argv[1:]
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    result = run(args, overrides)
+    line = json.dumps(result)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(line + "\n")
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
