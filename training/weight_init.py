@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from parallelisms.tied_weights import retie, tied_parameter_names
+
 # Names that wrappers (torch.compile, activation checkpointing) insert into parameter names.
 _WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
@@ -44,15 +46,9 @@ def _initializer_of(template: nn.Module, owner: str) -> nn.Module:
 
 def materialize(model: nn.Module, device: torch.device) -> None:
     """model.to_empty(device), keeping tied parameters tied (to_empty would untie them)."""
-    names_of: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), []).append(name)
+    groups = tied_parameter_names(model)
     model.to_empty(device=device)
-    for first, *others in (names for names in names_of.values() if len(names) > 1):
-        shared = model.get_parameter(first)
-        for name in others:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, shared)
+    retie(model, groups)
 
 
 @torch.no_grad()
