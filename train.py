@@ -60,7 +60,9 @@ def train(argv: list[str]) -> None:
     spec = get_model_spec(config.model.name)
     check_flavor(spec, config.model.flavor)
     tokenizer = build_tokenizer(config.model.hf_assets_path)
-    args = model_args(spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size)
+    args = model_args(
+        spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
+    )
     if dims.tp_enabled:
         dims.check_divisibility(spec.tensor_parallel_sizes(args, config.training.seq_len))
     with torch.device("meta"):

@@ -137,7 +137,7 @@ def _convert(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
             raise ConfigError(f"{key} must be a list, got {value!r}")
         return [_convert(v, item_type, key, from_cli) for v in value]
     if from_cli:
-        value = _parse_cli_scalar(value, annotation, key)
+        value = parse_scalar(value, annotation, key)
     if annotation is bool and isinstance(value, bool):
         return value
     if annotation is int and isinstance(value, int) and not isinstance(value, bool):
@@ -149,7 +149,8 @@ def _convert(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
     raise ConfigError(f"{key} must be {_type_name(annotation)}, got {value!r}")
 
 
-def _parse_cli_scalar(raw: str | None, annotation: Any, key: str) -> Any:
+def parse_scalar(raw: str | None, annotation: Any, key: str) -> Any:
+    """A command-line string as an int, float, bool or str (bool: a bare flag means true)."""
     if annotation is bool:
         if raw is None:
             return True

@@ -30,6 +30,10 @@ class Model:
     flavor: str = "debugmodel"
     """Size of the model within its family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B)."""
 
+    args: list[str] = field(default_factory=list)
+    """Changes to the flavor's architecture arguments, as "name=value" strings, e.g.
+    ["tie_embeddings=false"] or ["n_layers=2"] (names: the flavor's args dataclass)."""
+
     hf_assets_path: str = ""
     """Folder holding a Hugging Face tokenizer.json (and tokenizer_config.json). Empty: the built-in
     byte-level tokenizer (256 bytes + BOS + EOS)."""

@@ -1,6 +1,8 @@
 """What a model family hands to the rest of the repository: one ModelSpec per folder under models/."""
 
 import dataclasses
+import difflib
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -8,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from configs import ConfigError
+from configs.loader import parse_scalar
 
 
 @dataclass(frozen=True)
@@ -28,9 +31,12 @@ class ModelSpec:
     """Names the modules of each pipeline stage (filled in by the pipeline work)."""
 
 
-def model_args(spec: ModelSpec, flavor: str, seq_len: int, tokenizer_vocab_size: int) -> Any:
-    """The flavor's args for this run: RoPE table of seq_len, vocabulary checked against the tokenizer."""
-    args = spec.flavors[flavor]
+def model_args(
+    spec: ModelSpec, flavor: str, seq_len: int, tokenizer_vocab_size: int, changes: list[str] = ()
+) -> Any:
+    """The flavor's args for this run: model.args changes applied, RoPE table of seq_len, vocabulary
+    checked against the tokenizer."""
+    args = _with_changes(spec.flavors[flavor], changes)
     vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64
     if tokenizer_vocab_size > vocab_size:
         raise ConfigError(
@@ -38,3 +44,20 @@ def model_args(spec: ModelSpec, flavor: str, seq_len: int, tokenizer_vocab_size:
             f"vocabulary of {vocab_size}; use a matching model.hf_assets_path or flavor"
         )
     return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=seq_len)
+
+
+def _with_changes(args: Any, changes: list[str]) -> Any:
+    """Apply "name=value" strings (model.args) to an args dataclass, checking names and types."""
+    hints = typing.get_type_hints(type(args))
+    updates = {}
+    for change in changes:
+        name, has_value, raw = change.partition("=")
+        name = name.strip()
+        if not has_value or name not in hints:
+            match = difflib.get_close_matches(name, list(hints), n=1)
+            hint = f" (did you mean '{match[0]}'?)" if match else ""
+            raise ConfigError(
+                f"model.args: '{change}' is not name=value for a field of {type(args).__name__}{hint}"
+            )
+        updates[name] = parse_scalar(raw.strip(), hints[name], f"model.args {name}")
+    return dataclasses.replace(args, **updates)

@@ -18,46 +18,46 @@ STEPS = 10
 # Global batch 8 on every layout; local batch x data-parallel degree x accumulation = 8.
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 
+TP2 = "--parallelism.tensor_parallel_degree 2"
 LAYOUTS = {
-    # name: (processes, overrides)
-    "fsdp2_accumulate2": (2, ["--training.local_batch_size", "2"]),
-    "fsdp4": (4, ["--training.local_batch_size", "2"]),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"]),
-    "tp2": (2, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    # name: (processes, overrides); global batch 8 = local batch x data-parallel degree x accumulation
+    "fsdp2_accumulate2": (2, "--training.local_batch_size 2"),
+    "fsdp4": (4, "--training.local_batch_size 2"),
+    "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
+    "tp2": (2, f"{TP2} --training.local_batch_size 8"),
     "tp2_no_loss_parallel": (
         2,
-        [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--training.local_batch_size",
-            "8",
-            "--parallelism.enable_loss_parallel",
-            "false",
-        ],
-    ),  # fmt: skip
-    "tp4": (4, ["--parallelism.tensor_parallel_degree", "4", "--training.local_batch_size", "8"]),
-    "fsdp2_tp2": (4, ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+        f"{TP2} --training.local_batch_size 8 --parallelism.enable_loss_parallel false",
+    ),
+    "tp4": (4, "--parallelism.tensor_parallel_degree 4 --training.local_batch_size 8"),
+    "fsdp2_tp2": (4, f"{TP2} --training.local_batch_size 4"),
     "fsdp2_tp2_no_loss_parallel": (
         4,
-        [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--training.local_batch_size",
-            "4",
-            "--parallelism.enable_loss_parallel",
-            "false",
-        ],
-    ),  # fmt: skip
+        f"{TP2} --training.local_batch_size 4 --parallelism.enable_loss_parallel false",
+    ),
+    # Tied embedding and output (as Llama 3.2 1B/3B): one parameter sharded by both TP and FSDP.
+    "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),
 }
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("single")
-    run_train([*COMMON, "--training.local_batch_size", "8", "--job.dump_folder", str(folder)])
-    records = read_metrics(folder)
-    assert len(records) == STEPS
-    return records
+def references(tmp_path_factory):
+    """Single-process runs (local batch 8), one per model variant (--model.args), made on first use."""
+    made = {}
+
+    def reference(overrides: list[str]) -> list[dict]:
+        model_args = overrides[overrides.index("--model.args") :][:2] if "--model.args" in overrides else []
+        key = " ".join(model_args)
+        if key not in made:
+            folder = tmp_path_factory.mktemp("single")
+            run_train(
+                [*COMMON, *model_args, "--training.local_batch_size", "8", "--job.dump_folder", str(folder)]
+            )
+            made[key] = read_metrics(folder)
+            assert len(made[key]) == STEPS
+        return made[key]
+
+    return reference
 
 
 def assert_parity(records: list[dict], reference: list[dict]) -> None:
@@ -69,10 +69,10 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, reference, tmp_path):
-    processes, overrides = LAYOUTS[layout]
+def test_layout_matches_single_process(layout, references, tmp_path):
+    processes, overrides = LAYOUTS[layout][0], LAYOUTS[layout][1].split()
     result = run_train([*COMMON, *overrides, "--job.dump_folder", str(tmp_path)], nproc=processes)
-    assert_parity(read_metrics(tmp_path), reference)
+    assert_parity(read_metrics(tmp_path), references(overrides))
     assert "error" not in result.stderr.lower().replace("error_file", "")
 
 
