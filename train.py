@@ -6,7 +6,7 @@
         train.py --config configs/llama3_70b.toml --training.steps 1000  # any key can be overridden
 
 Where things live: configs/ (schema and loader), models/ (architectures, registry), data/ (tokenizer,
-sources, packing, loader), parallelisms/ (mesh, FSDP, TP), training/ (process setup, init,
+sources, packing, loader), parallelisms/ (mesh, FSDP, TP, PP), training/ (process setup, init,
 optimizer, loss, clipping, metrics).
 """
 
@@ -23,16 +23,17 @@ from pathlib import Path
 import torch
 
 from configs import ConfigError, config_to_toml, load_config
-from data.loader import build_dataloader
+from data.loader import build_dataloader, plan_batches
 from data.tokenizer import build_tokenizer
 from models import check_flavor, get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.fsdp import set_gradient_sync
+from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
 from training import distributed
 from training.grad_clip import clip_grad_norm_
-from training.loss import IGNORE_INDEX, cross_entropy_sum
+from training.loss import IGNORE_INDEX, TokenNormalizedLoss
 from training.metrics import MetricsLogger, peak_tflops
 from training.optimizer import build_lr_scheduler, build_optimizer
 from training.weight_init import init_weights, materialize
@@ -70,11 +71,21 @@ def train(argv: list[str]) -> None:
         template = spec.model_cls(args)  # unsharded reference for layout-independent init
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = model.flops_per_token(config.training.seq_len)
-    parallelize(model, spec, dims, mesh, config, device)
-    materialize(model, device)
-    init_weights(model, template, config.job.seed)
-    model.init_buffers()
-    model.train()
+    # Pipeline parallelism first cuts the model into this rank's stages (keeping parameter names);
+    # every part then goes through the same chain of parallelisms.
+    if dims.pp_enabled:
+        check_schedule(config.parallelism, dims.fsdp_enabled)
+        model_parts, stage_indices, num_stages = split_model(
+            model, spec.pipeline_split(args), config.parallelism, mesh["pp"]
+        )
+    else:
+        model_parts = [model]
+    for part in model_parts:
+        parallelize(part, spec, dims, mesh, config, device)
+        materialize(part, device)
+        init_weights(part, template, config.job.seed)
+        part.init_buffers()
+        part.train()
     logger.info(
         f"model {spec.name} {config.model.flavor}: {num_params:,} parameters on {device}, {dims.describe()}"
     )
@@ -89,21 +100,20 @@ def train(argv: list[str]) -> None:
     )
     use_loss_parallel = dims.tp_enabled and config.parallelism.enable_loss_parallel
 
-    optimizer = build_optimizer(model, config.optimizer, device)
+    optimizer = build_optimizer(model_parts, config.optimizer, device)
     lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
-    local_batch = config.training.local_batch_size
-    global_batch = config.training.global_batch_size
-    if global_batch == -1:
-        global_batch = local_batch * dp_degree
-    if global_batch % (local_batch * dp_degree):
-        raise ConfigError(
-            f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
-            f"data-parallel degree ({local_batch} x {dp_degree})"
+    global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
+    loss_fn = TokenNormalizedLoss()
+    pipeline = None
+    if dims.pp_enabled:
+        schedule = config.parallelism.pipeline_parallel_schedule
+        microbatches = pipeline_microbatches(config, accumulation_steps)
+        pipeline = Pipeline(
+            model_parts, stage_indices, num_stages, mesh["pp"], device, schedule, microbatches, loss_fn
         )
-    accumulation_steps = global_batch // (local_batch * dp_degree)
     dataloader = build_dataloader(
         config.training, tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda"
     )
@@ -122,30 +132,32 @@ def train(argv: list[str]) -> None:
     )
     logger.info(
         f"training {config.training.steps} steps: global batch {global_batch} x {config.training.seq_len} "
-        f"tokens ({local_batch} per micro-batch x {dp_degree} data-parallel x {accumulation_steps} "
-        f"accumulation), output in {dump_folder}"
+        f"tokens ({config.training.local_batch_size} per micro-batch x {dp_degree} data-parallel x "
+        f"{accumulation_steps} accumulation), output in {dump_folder}"
     )
     max_norm = config.training.max_norm if config.training.max_norm > 0 else float("inf")
+    parameters = [p for part in model_parts for p in part.parameters()]
     metrics.start(0)
     for step in range(1, config.training.steps + 1):
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
         # Each token weighs the same whatever micro-batch or rank it lands on.
         num_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)
-        num_tokens = distributed.all_reduce_sum(num_tokens.float(), dp_group).item()
-        step_loss = torch.zeros((), device=device)
-        for index, batch in enumerate(micro_batches):
-            set_gradient_sync(model, index == len(micro_batches) - 1)
-            inputs = batch["input"].to(device, non_blocking=True)
-            labels = batch["labels"].to(device, non_blocking=True)
-            with loss_parallel_context(use_loss_parallel):
-                with autocast:
-                    logits = model(inputs)
-                loss = cross_entropy_sum(logits, labels) / num_tokens
-                del logits
-                loss.backward()
-            step_loss += loss.detach()
+        loss_fn.num_tokens = distributed.all_reduce_sum(num_tokens.float(), dp_group).item()
+        with loss_parallel_context(use_loss_parallel), autocast:
+            if pipeline is not None:
+                # The schedule runs all of the step's micro-batches at once: one gradient reduction.
+                step_loss = pipeline.step(micro_batches)
+            else:
+                step_loss = torch.zeros((), device=device)
+                for index, batch in enumerate(micro_batches):
+                    set_gradient_sync(model, index == len(micro_batches) - 1)
+                    logits = model(batch["input"].to(device, non_blocking=True))
+                    loss = loss_fn(logits, batch["labels"].to(device, non_blocking=True))
+                    del logits
+                    loss.backward()
+                    step_loss += loss.detach()
 
-        grad_norm = clip_grad_norm_(list(model.parameters()), max_norm)
+        grad_norm = clip_grad_norm_(parameters, max_norm, mesh["pp"].get_group() if dims.pp_enabled else None)
         lr = lr_scheduler.get_last_lr()[0]
         optimizer.step()
         lr_scheduler.step()
@@ -154,11 +166,14 @@ def train(argv: list[str]) -> None:
         if step == 1:
             metrics.first_step_done(START_TIME)
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
+            if dims.pp_enabled:  # only the last stage has the loss
+                step_loss = distributed.all_reduce_sum(step_loss, mesh["pp"].get_group())
             loss_value = distributed.all_reduce_sum(step_loss, dp_group).item()
             metrics.log(step, loss_value, grad_norm.item(), lr)
 
     metrics.close()
     logger.info("training done")
+    distributed.destroy_process_group(wait_for_peers=True)
 
 
 def main() -> int:

@@ -219,6 +219,17 @@ def check_values(config: JobConfig) -> None:
             "must be >= 1, or -1 (infer)",
         ),
         ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree >= 1, "must be >= 1"),
+        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree >= 1, "must be >= 1"),
+        (
+            "parallelism.pipeline_parallel_microbatch_size",
+            p.pipeline_parallel_microbatch_size >= 1,
+            "must be >= 1",
+        ),
+        (
+            "parallelism.pipeline_parallel_layers_per_stage",
+            p.pipeline_parallel_layers_per_stage == -1 or p.pipeline_parallel_layers_per_stage >= 1,
+            "must be >= 1, or -1 (balanced)",
+        ),
         ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
         ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
         (

@@ -150,6 +150,29 @@ class Parallelism:
     """With tensor parallelism: keep logits sharded over the vocabulary and compute cross-entropy
     on the shards, instead of gathering full logits on every rank."""
 
+    pipeline_parallel_degree: int = 1
+    """Pipeline parallelism: the model's layers are split into stages over this many ranks."""
+
+    pipeline_parallel_schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """torch.distributed.pipelining schedule. GPipe and 1F1B run one stage per rank; the others two
+    or more (virtual stages; ZBVZeroBubble and DualPipeV exactly two, placed in a V). The zero-bubble
+    ones (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) are refused together with FSDP."""
+
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch. A rank's share of the global batch (local batch x
+    gradient-accumulation steps) is cut into micro-batches of this size and run in one schedule."""
+
+    pipeline_parallel_layers_per_stage: int = -1
+    """Layers per stage (the embedding rides with the first, the output with the last); the number
+    of stages must then be a multiple of the degree. -1 = balanced automatically, counting the
+    embedding and the output as one layer each."""
+
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Explicit split: the layers that start a new stage, e.g. ["layers.8", "layers.16"]. Overrides
+    pipeline_parallel_layers_per_stage."""
+
 
 @dataclass
 class Metrics:

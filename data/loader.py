@@ -127,6 +127,18 @@ def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShar
     return PackedTextStream(documents, tokenizer, training.seq_len)
 
 
+def plan_batches(training, dp_degree: int) -> tuple[int, int]:
+    """(global batch, gradient-accumulation steps): global = local x data-parallel degree x steps."""
+    local = training.local_batch_size
+    global_batch = local * dp_degree if training.global_batch_size == -1 else training.global_batch_size
+    if global_batch % (local * dp_degree):
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
+            f"data-parallel degree ({local} x {dp_degree})"
+        )
+    return global_batch, global_batch // (local * dp_degree)
+
+
 def build_dataloader(
     training,
     tokenizer: Tokenizer,

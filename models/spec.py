@@ -28,7 +28,8 @@ class ModelSpec:
     tensor_parallel_sizes: Callable | None = None
     """sizes(args, seq_len) -> {name: size} that the tensor-parallel degree must divide."""
     pipeline_split: Callable | None = None
-    """Names the modules of each pipeline stage (filled in by the pipeline work)."""
+    """split(args) -> (head, layers, tail) module names: modules that only the first stage holds,
+    the layers spread over the stages in order, and modules that only the last stage holds."""
 
 
 def model_args(

@@ -1,7 +1,8 @@
 """The parallel layout: degrees from [parallelism], their checks, and the one device mesh.
 
-Mesh dimensions, outermost first: dp_replicate (HSDP replicas), dp_shard (FSDP), tp. Ranks that
-differ only in tp hold the same data; "dp" (dp_replicate x dp_shard, flattened) indexes the data.
+Mesh dimensions, outermost first: pp (pipeline stages), dp_replicate (HSDP replicas), dp_shard
+(FSDP), tp. Ranks that differ only in pp or tp read the same data; "dp" (dp_replicate x dp_shard,
+flattened) indexes the data.
 """
 
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from configs.schema import Parallelism
 
 @dataclass(frozen=True)
 class ParallelDims:
+    pp: int
     dp_replicate: int
     dp_shard: int
     tp: int
@@ -22,25 +24,27 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, config: Parallelism, world_size: int) -> "ParallelDims":
-        replicate, shard, tp = (
+        pp, replicate, shard, tp = (
+            config.pipeline_parallel_degree,
             config.data_parallel_replicate_degree,
             config.data_parallel_shard_degree,
             config.tensor_parallel_degree,
         )
-        others = replicate * tp
+        others = pp * replicate * tp
         if shard == -1:
             if world_size % others:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by data_parallel_replicate_degree x "
-                    f"tensor_parallel_degree = {replicate} x {tp}"
+                    f"world size {world_size} is not divisible by pipeline x data_parallel_replicate x "
+                    f"tensor parallel degrees = {pp} x {replicate} x {tp}"
                 )
             shard = world_size // others
-        if replicate * shard * tp != world_size:
+        if pp * replicate * shard * tp != world_size:
             raise ConfigError(
-                f"parallelism degrees multiply to {replicate} x {shard} x {tp} = {replicate * shard * tp} "
-                f"(replicate x shard x tensor) but the world size is {world_size}"
+                f"parallelism degrees multiply to {pp} x {replicate} x {shard} x {tp} = "
+                f"{pp * replicate * shard * tp} (pipeline x replicate x shard x tensor) but the world "
+                f"size is {world_size}"
             )
-        return cls(replicate, shard, tp, world_size, config.fsdp_single_device)
+        return cls(pp, replicate, shard, tp, world_size, config.fsdp_single_device)
 
     @property
     def dp(self) -> int:
@@ -55,11 +59,14 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        names = ("dp_replicate", "dp_shard", "tp")
-        mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=names
-        )
+        names = ("pp", "dp_replicate", "dp_shard", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")  # one group over all data-parallel ranks
         return mesh
 
@@ -75,6 +82,6 @@ class ParallelDims:
 
     def describe(self) -> str:
         return (
-            f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} "
-            f"x tp {self.tp}"
+            f"world {self.world_size} = pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
+            f"{self.dp_shard} x tp {self.tp}"
         )

@@ -57,4 +57,5 @@ for index in range(micro_batches):
 groups = len(model.layers) + 1
 if dist.get_rank() == 0:
     print(f"reduce-scatters per step: {calls} ({groups} FSDP groups, {micro_batches} micro-batches)")
+dist.barrier()
 dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Data and tensor parallelism: every layout reproduces the single-process run (fp32, CPU, gloo).
+"""Data, tensor and pipeline parallelism: every layout reproduces the single-process run (fp32, CPU).
 
 Each layout is a real `torchrun ... train.py` launch; the reference is `python train.py`. Bars:
 step-1 loss within 1e-6 relative, the 10-step loss curve within 1e-4, grad norms within 1e-5.
@@ -37,6 +37,35 @@ LAYOUTS = {
     ),
     # Tied embedding and output (as Llama 3.2 1B/3B): one parameter sharded by both TP and FSDP.
     "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),
+}
+PP = "--parallelism.pipeline_parallel_degree"
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
+SCHEDULES = [
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+for name in SCHEDULES:
+    # 8 micro-batches of 1; PP 4 with two stages per rank needs 8 layers (model.args).
+    LAYOUTS[f"pp2_{name}"] = (2, f"{PP} 2 {SCHEDULE} {name} --training.local_batch_size 8")
+    LAYOUTS[f"pp4_{name}"] = (
+        4,
+        f"{PP} 4 {SCHEDULE} {name} --training.local_batch_size 8 --model.args n_layers=8",
+    )
+LAYOUTS |= {
+    "pp2_fsdp2_1F1B": (4, f"{PP} 2 --training.local_batch_size 4"),
+    "pp2_fsdp2_Interleaved1F1B": (4, f"{PP} 2 {SCHEDULE} Interleaved1F1B --training.local_batch_size 4"),
+    "pp2_tp2": (4, f"{PP} 2 {TP2} --training.local_batch_size 8"),
+    "pp2_fsdp2_tp2": (8, f"{PP} 2 {TP2} {SCHEDULE} Interleaved1F1B --training.local_batch_size 4"),
+    # Accumulation (local 2 x 4 steps) becomes 4 pipeline micro-batches of 2, in one schedule run.
+    "pp2_accumulate4": (
+        2,
+        f"{PP} 2 --training.local_batch_size 2 --parallelism.pipeline_parallel_microbatch_size 2",
+    ),
 }
 
 
@@ -90,7 +119,7 @@ def test_accumulation_under_fsdp_reduces_once_per_step():
     "overrides, world, message",
     [
         (["--parallelism.tensor_parallel_degree", "3"], 4, "world size 4 is not divisible by"),
-        (["--parallelism.data_parallel_shard_degree", "3"], 4, "multiply to 1 x 3 x 1 = 3"),
+        (["--parallelism.data_parallel_shard_degree", "3"], 4, "multiply to 1 x 1 x 3 x 1 = 3"),
         (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
           "2", "--parallelism.tensor_parallel_degree", "2"], 4, "but the world size is 4"),
     ],
@@ -113,9 +142,8 @@ def test_layout_errors_through_train_py(tmp_path):
         [*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)], check=False
     )
     assert result.returncode == 2
-    message = (
-        "world size 1 is not divisible by data_parallel_replicate_degree x tensor_parallel_degree = 1 x 2"
-    )
+    message = "world size 1 is not divisible by pipeline x data_parallel_replicate x tensor parallel degrees"
+    message += " = 1 x 1 x 2"
     assert result.stderr.strip().splitlines() == [f"error: {message}"]
     # A size that TP cannot split, reported once although every rank finds it.
     result = run_train(
@@ -125,3 +153,12 @@ def test_layout_errors_through_train_py(tmp_path):
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: tensor_parallel_degree 2 does not divide training.seq_len (33)"]
+
+
+def test_zero_bubble_with_fsdp_is_refused(tmp_path):
+    layout = [PP, "2", SCHEDULE, "ZBVZeroBubble", "--training.local_batch_size", "4"]
+    result = run_train([*COMMON, *layout, "--job.dump_folder", str(tmp_path)], nproc=4, check=False)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "ZBVZeroBubble with FSDP gives wrong gradients" in errors[0]
+    assert not (tmp_path / "metrics.jsonl").exists()

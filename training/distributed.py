@@ -61,6 +61,11 @@ def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return value
 
 
-def destroy_process_group() -> None:
+def destroy_process_group(wait_for_peers: bool = False) -> None:
+    """wait_for_peers: after a normal finish, so that no rank tears down its connections while a
+    peer still has messages in flight (seen to abort gloo at exit); not after an error, where a
+    peer may never arrive."""
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()

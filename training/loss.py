@@ -1,4 +1,9 @@
-"""The training loss: cross-entropy summed over tokens; train.py divides by the global token count."""
+"""The training loss: token cross-entropy summed, divided by the step's global token count.
+
+Dividing by the count over all micro-batches and data-parallel ranks (not each micro-batch's mean)
+weighs every token equally, so accumulation and data parallelism give the same gradient as one big
+batch.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -16,3 +21,14 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
     )
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+class TokenNormalizedLoss:
+    """loss(logits, labels) = summed token loss / num_tokens; train.py sets num_tokens every step
+    (the pipeline schedule calls the same object for each of its micro-batches)."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 1.0
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, labels) / self.num_tokens

@@ -9,8 +9,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from configs.schema import LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, config: Optimizer, device: torch.device) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(
+    model_parts: list[nn.Module], config: Optimizer, device: torch.device
+) -> torch.optim.Optimizer:
+    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     # Weight decay on matrices only; norm weights (1-D) are left alone.
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},

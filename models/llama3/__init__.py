@@ -42,6 +42,12 @@ flavors = {
     ),
 }
 
+
+def pipeline_split(args: Llama3Args) -> tuple[list[str], list[str], list[str]]:
+    """Modules of the first stage only, the layers to spread over stages, modules of the last only."""
+    return ["tok_embeddings"], [f"layers.{i}" for i in range(args.n_layers)], ["norm", "output"]
+
+
 spec = ModelSpec(
     name="llama3",
     model_cls=Transformer,
@@ -49,4 +55,5 @@ spec = ModelSpec(
     state_dict_adapter=Llama3StateDictAdapter,
     parallelize_plan=apply_tensor_parallel_plan,
     tensor_parallel_sizes=tensor_parallel_sizes,
+    pipeline_split=pipeline_split,
 )

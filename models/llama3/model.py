@@ -61,7 +61,7 @@ def rope_frequencies(args: Llama3Args) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by position.
 
-    cos/sin are (seq, head_dim/2) or (batch, seq, head_dim/2); computed in float32 as Meta does.
+    cos/sin are (seq, head_dim/2); computed in float32 as Meta does.
     """
     pairs = x.float().unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
@@ -90,6 +90,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
+        cos, sin = cos[:seq], sin[:seq]  # tables may be longer than this sequence
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -161,13 +162,12 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
-        positions: each token's position for RoPE (default 0..seq-1), for when a rank holds
+        positions: (seq,) each token's position for RoPE (default 0..seq-1), for when a rank holds
         only some chunks of the sequence (context parallelism). A pipeline stage that lacks the
-        embedding, final norm or output (set to None) passes hidden states through instead.
+        embedding, final norm or output (set to None) takes or returns hidden states instead.
         """
-        seq = tokens.shape[1]
-        if positions is None:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is None:  # each attention takes the first rows it needs
+            cos, sin = self.rope_cos, self.rope_sin
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -1,0 +1,209 @@
+"""Pipeline parallelism: split the model into stages and run a torch.distributed.pipelining schedule.
+
+A stage is the full model with the modules of other stages removed, so parameter names stay those
+of the unsplit model (`layers.7.attention.wq.weight`) and checkpoints do not depend on the layout.
+Gradient accumulation becomes more pipeline micro-batches: one schedule run per optimizer step, so
+gradients are reduced once per step.
+"""
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from configs import ConfigError
+from configs.schema import Parallelism
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+SINGLE_STAGE = {"GPipe", "1F1B"}  # one stage per rank; the others take several ("virtual") stages
+V_SHAPED = {"ZBVZeroBubble", "DualPipeV"}  # rank r holds stages r and 2 x pp - 1 - r
+# These split backward into input- and weight-gradient passes; with FSDP2 the weight gradients of
+# middle stages come out wrong (measured on torch 2.13, CPU), so that combination is refused.
+SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
+
+
+def check_schedule(config: Parallelism, fsdp_enabled: bool) -> None:
+    if config.pipeline_parallel_schedule in SPLIT_BACKWARD and fsdp_enabled:
+        raise ConfigError(
+            f"pipeline_parallel_schedule {config.pipeline_parallel_schedule} with FSDP gives wrong "
+            "gradients (torch splits backward in a way FSDP2 does not support); use Interleaved1F1B "
+            "or 1F1B, or no data parallelism"
+        )
+
+
+def pipeline_microbatches(config, accumulation_steps: int) -> int:
+    """Pipeline micro-batches per step: the rank's local batch x accumulation steps, cut in sizes."""
+    local, size = config.training.local_batch_size, config.parallelism.pipeline_parallel_microbatch_size
+    if local % size:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_microbatch_size ({size}) must divide "
+            f"training.local_batch_size ({local})"
+        )
+    return local // size * accumulation_steps
+
+
+def stage_module_names(
+    head: list[str], layers: list[str], tail: list[str], config: Parallelism, pp_degree: int
+) -> list[list[str]]:
+    """Module names of every stage, in order.
+
+    Default: stages balanced over the layers, with the head (embedding) and the tail (final norm,
+    output projection and loss) each counted as one layer. Or explicit: a number of layers per stage,
+    or split points (the layers that start a new stage).
+    """
+    name = config.pipeline_parallel_schedule
+    if config.pipeline_parallel_split_points:
+        starts = config.pipeline_parallel_split_points
+        unknown = [s for s in starts if s not in layers]
+        if unknown:
+            raise ConfigError(
+                f"parallelism.pipeline_parallel_split_points: {unknown} are not layers ({layers[0]} ...)"
+            )
+        bounds = [0, *sorted(layers.index(s) for s in starts), len(layers)]
+        groups = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    elif config.pipeline_parallel_layers_per_stage > 0:
+        k = config.pipeline_parallel_layers_per_stage
+        groups = [layers[i : i + k] for i in range(0, len(layers), k)]
+    else:
+        num_stages = pp_degree * (1 if name in SINGLE_STAGE else 2)
+        return _balanced_groups([*head, *layers, *tail], num_stages, len(head), len(tail))
+    if any(not g for g in groups):
+        raise ConfigError("parallelism.pipeline_parallel_split_points leave a stage without layers")
+    groups[0] = [*head, *groups[0]]
+    groups[-1] = [*groups[-1], *tail]
+    return groups
+
+
+def _balanced_groups(units: list[str], num_stages: int, head: int, tail: int) -> list[list[str]]:
+    # The head and the tail count as one unit each, whatever number of modules they have.
+    weighted = [units[:head], *[[u] for u in units[head : len(units) - tail]], units[len(units) - tail :]]
+    if len(weighted) < num_stages:
+        raise ConfigError(
+            f"{num_stages} pipeline stages need at least {num_stages - 2} layers; the model has "
+            f"{len(weighted) - 2}"
+        )
+    base, extra = divmod(len(weighted), num_stages)
+    # Extra units go to the stages after the first, which keeps the most activations in flight.
+    sizes = [base + (1 if 1 <= i <= extra else 0) for i in range(num_stages)]
+    groups, start = [], 0
+    for size in sizes:
+        groups.append([name for unit in weighted[start : start + size] for name in unit])
+        start += size
+    return groups
+
+
+def stages_of_rank(pp_rank: int, pp_degree: int, num_stages: int, schedule: str) -> list[int]:
+    if num_stages % pp_degree:
+        raise ConfigError(
+            f"{num_stages} pipeline stages do not divide over pipeline_parallel_degree {pp_degree}"
+        )
+    per_rank = num_stages // pp_degree
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ConfigError(f"{schedule} runs one stage per rank, but the split gives {per_rank} per rank")
+    if schedule in V_SHAPED:
+        if per_rank != 2:
+            raise ConfigError(f"{schedule} runs two stages per rank, but the split gives {per_rank}")
+        return [pp_rank, num_stages - 1 - pp_rank]
+    return [pp_rank + i * pp_degree for i in range(per_rank)]
+
+
+def keep_only(model: nn.Module, keep: list[str], candidates: list[str]) -> nn.Module:
+    """A copy of (meta-device) model without the candidate modules not in keep."""
+    stage = copy.deepcopy(model)
+    for name in candidates:
+        if name in keep:
+            continue
+        parent, _, child = name.rpartition(".")
+        container = stage.get_submodule(parent)
+        if isinstance(container, nn.ModuleDict):
+            del container[child]
+        else:
+            setattr(container, child, None)  # the model's forward skips a missing head or tail
+    return stage
+
+
+def split_model(model: nn.Module, module_names: tuple, config: Parallelism, pp_mesh: DeviceMesh):
+    """This rank's stage modules and their stage indices (and the total number of stages)."""
+    head, layers, tail = module_names
+    groups = stage_module_names(head, layers, tail, config, pp_mesh.size())
+    indices = stages_of_rank(
+        pp_mesh.get_local_rank(), pp_mesh.size(), len(groups), config.pipeline_parallel_schedule
+    )
+    candidates = [*head, *layers, *tail]
+    return [keep_only(model, groups[i], candidates) for i in indices], indices, len(groups)
+
+
+class Pipeline:
+    """Runs one optimizer step's micro-batches through this rank's stages."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        indices: list[int],
+        num_stages: int,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        schedule_name: str,
+        n_microbatches: int,
+        loss_fn,
+    ):
+        stages = [
+            PipelineStage(part, index, num_stages, device, group=pp_mesh.get_group())
+            for part, index in zip(parts, indices)
+        ]
+        schedule_cls = SCHEDULES[schedule_name]
+        try:
+            # The loss is normalized by the global token count already: no per-micro-batch scaling.
+            self.schedule = schedule_cls(
+                stages[0] if schedule_name in SINGLE_STAGE else stages,
+                n_microbatches=n_microbatches,
+                loss_fn=loss_fn,
+                scale_grads=False,
+            )
+        except ValueError as e:
+            raise ConfigError(
+                f"pipeline schedule {schedule_name} with {n_microbatches} micro-batches: {e}"
+            ) from None
+        self.has_first = 0 in indices
+        self.has_last = num_stages - 1 in indices
+        self.device = device
+        # Newer torch can skip gathering the last stage's outputs (full logits) after the step.
+        self.step_options = (
+            {"return_outputs": False}
+            if "return_outputs" in inspect.signature(self.schedule.step).parameters
+            else {}
+        )
+
+    def step(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Forward and backward of all micro-batches; the summed loss on the last stage, else 0."""
+        inputs = torch.cat([b["input"] for b in micro_batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        target = {"target": labels, "losses": losses} if self.has_last else {}
+        if self.has_first:
+            self.schedule.step(inputs, **target, **self.step_options)
+        else:
+            self.schedule.step(**target, **self.step_options)
+        if self.has_last:
+            return torch.stack([loss.detach() for loss in losses]).sum()
+        return torch.zeros((), device=self.device)
