@@ -6,7 +6,7 @@
         train.py --config configs/llama3_70b.toml --training.steps 1000  # any key can be overridden
 
 Where things live: configs/ (schema and loader), models/ (architectures, registry), data/ (tokenizer,
-sources, packing, loader), parallelisms/ (mesh, FSDP, TP, PP), training/ (process setup, init,
+sources, packing, loader), parallelisms/ (mesh, FSDP, TP, PP, CP), training/ (process setup, init,
 optimizer, loss, clipping, metrics).
 """
 
@@ -28,6 +28,7 @@ from data.tokenizer import build_tokenizer
 from models import check_flavor, get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
+from parallelisms.context_parallel import local_positions, shard_sequences
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
@@ -48,7 +49,7 @@ def train(argv: list[str]) -> None:
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     distributed.init_process_group(device)
     mesh = dims.build_mesh(device.type)
-    dp_group = mesh["dp"].get_group()  # ranks holding different data
+    tokens_group = mesh["dp_cp"].get_group()  # ranks holding different tokens: loss sums over it
     is_logging_rank = distributed.rank() == 0
     dump_folder = Path(config.job.dump_folder)
     if is_logging_rank:
@@ -64,8 +65,9 @@ def train(argv: list[str]) -> None:
     args = model_args(
         spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
     )
+    dims.check_sequence_split(config.training.seq_len)
     if dims.tp_enabled:
-        dims.check_divisibility(spec.tensor_parallel_sizes(args, config.training.seq_len))
+        dims.check_divisibility(spec.tensor_parallel_sizes(args))
     with torch.device("meta"):
         model = spec.model_cls(args)
         template = spec.model_cls(args)  # unsharded reference for layout-independent init
@@ -80,11 +82,15 @@ def train(argv: list[str]) -> None:
         )
     else:
         model_parts = [model]
+    # A context-parallel rank holds some chunks of every sequence: these token positions.
+    positions = None
+    if dims.cp_enabled:
+        positions = local_positions(config.training.seq_len, mesh["cp"].get_local_rank(), dims.cp)
     for part in model_parts:
         parallelize(part, spec, dims, mesh, config, device)
         materialize(part, device)
         init_weights(part, template, config.job.seed)
-        part.init_buffers()
+        part.init_buffers(positions)
         part.train()
     logger.info(
         f"model {spec.name} {config.model.flavor}: {num_params:,} parameters on {device}, {dims.describe()}"
@@ -140,9 +146,11 @@ def train(argv: list[str]) -> None:
     metrics.start(0)
     for step in range(1, config.training.steps + 1):
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        if positions is not None:
+            micro_batches = [shard_sequences(batch, positions) for batch in micro_batches]
         # Each token weighs the same whatever micro-batch or rank it lands on.
         num_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)
-        loss_fn.num_tokens = distributed.all_reduce_sum(num_tokens.float(), dp_group).item()
+        loss_fn.num_tokens = distributed.all_reduce_sum(num_tokens.float(), tokens_group).item()
         with loss_parallel_context(use_loss_parallel), autocast:
             if pipeline is not None:
                 # The schedule runs all of the step's micro-batches at once: one gradient reduction.
@@ -168,7 +176,7 @@ def train(argv: list[str]) -> None:
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
             if dims.pp_enabled:  # only the last stage has the loss
                 step_loss = distributed.all_reduce_sum(step_loss, mesh["pp"].get_group())
-            loss_value = distributed.all_reduce_sum(step_loss, dp_group).item()
+            loss_value = distributed.all_reduce_sum(step_loss, tokens_group).item()
             metrics.log(step, loss_value, grad_norm.item(), lr)
 
     metrics.close()

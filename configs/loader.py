@@ -220,6 +220,7 @@ def check_values(config: JobConfig) -> None:
         ),
         ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree >= 1, "must be >= 1"),
         ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree >= 1, "must be >= 1"),
+        ("parallelism.context_parallel_degree", p.context_parallel_degree >= 1, "must be >= 1"),
         (
             "parallelism.pipeline_parallel_microbatch_size",
             p.pipeline_parallel_microbatch_size >= 1,

@@ -150,6 +150,10 @@ class Parallelism:
     """With tensor parallelism: keep logits sharded over the vocabulary and compute cross-entropy
     on the shards, instead of gathering full logits on every rank."""
 
+    context_parallel_degree: int = 1
+    """Context parallelism: every sequence is split over this many ranks (load-balanced chunks for
+    causal attention; K/V all-gathered). training.seq_len must divide by 2 x this degree."""
+
     pipeline_parallel_degree: int = 1
     """Pipeline parallelism: the model's layers are split into stages over this many ranks."""
 

@@ -26,7 +26,7 @@ class ModelSpec:
     parallelize_plan: Callable | None = None
     """plan(model, tp_mesh, loss_parallel): applies the family's tensor-parallel plan in place."""
     tensor_parallel_sizes: Callable | None = None
-    """sizes(args, seq_len) -> {name: size} that the tensor-parallel degree must divide."""
+    """sizes(args) -> {name: size} that the tensor-parallel degree must divide."""
     pipeline_split: Callable | None = None
     """split(args) -> (head, layers, tail) module names: modules that only the first stage holds,
     the layers spread over the stages in order, and modules that only the last stage holds."""

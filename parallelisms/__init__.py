@@ -1,8 +1,10 @@
 """Parallelisms, applied from the [parallelism] section by the one entry below.
 
-parallel_dims.py  degrees, checks and the device mesh
-tensor_parallel.py  applying a model's TP plan, loss parallelism
-fsdp.py  FSDP2 / HSDP
+parallel_dims.py     degrees, checks and the device mesh
+pipeline.py          splitting into stages and running a schedule (train.py calls it first)
+tensor_parallel.py   applying a model's TP plan, loss parallelism
+context_parallel.py  load-balanced sequence split, all-gather-KV attention
+fsdp.py              FSDP2 / HSDP
 """
 
 import torch
@@ -11,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from configs.schema import JobConfig
 from models.spec import ModelSpec
+from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tensor_parallel
@@ -26,13 +29,17 @@ def parallelize(
 ) -> None:
     """Apply the parallelisms to a meta-device model, in place, in this order (the order matters):
 
+    (Pipeline splitting comes before: train.py calls this once per stage.)
     1. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
        the loss is computed on vocabulary shards when loss parallelism is on
-    2. FSDP on every block, then on the root: parameters are sharded over the data-parallel ranks
-       (2-D DTensors when tensor parallel came first), gradients reduced once per optimizer step
+    2. context parallel: causal attention kernels become all-gather-KV ones over "cp"
+    3. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
+       context-parallel) ranks, 2-D DTensors when tensor parallel came first
     """
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, mesh["tp"], config.parallelism.enable_loss_parallel)
+    if dims.cp_enabled:
+        apply_context_parallel(model, mesh["cp"])
     if dims.fsdp_enabled:
         bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
         apply_fsdp(

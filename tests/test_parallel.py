@@ -39,6 +39,7 @@ LAYOUTS = {
     "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),
 }
 PP = "--parallelism.pipeline_parallel_degree"
+CP = "--parallelism.context_parallel_degree"
 SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 SCHEDULES = [
     "GPipe",
@@ -61,6 +62,12 @@ LAYOUTS |= {
     "pp2_fsdp2_Interleaved1F1B": (4, f"{PP} 2 {SCHEDULE} Interleaved1F1B --training.local_batch_size 4"),
     "pp2_tp2": (4, f"{PP} 2 {TP2} --training.local_batch_size 8"),
     "pp2_fsdp2_tp2": (8, f"{PP} 2 {TP2} {SCHEDULE} Interleaved1F1B --training.local_batch_size 4"),
+    # Context parallelism: sequences of 32 in 2 x cp chunks.
+    "cp2": (2, f"{CP} 2 --training.local_batch_size 8"),
+    "cp4": (4, f"{CP} 4 --training.local_batch_size 8"),
+    "cp2_fsdp2": (4, f"{CP} 2 --training.local_batch_size 4"),
+    "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8"),
+    "pp2_cp2_tp2": (8, f"{PP} 2 {CP} 2 {TP2} --training.local_batch_size 8"),
     # Accumulation (local 2 x 4 steps) becomes 4 pipeline micro-batches of 2, in one schedule run.
     "pp2_accumulate4": (
         2,

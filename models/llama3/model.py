@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import CausalAttentionKernel
+
 
 @dataclass
 class Llama3Args:
@@ -68,14 +70,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
-
-
-class CausalAttentionKernel(nn.Module):
-    """softmax(QK^T/sqrt(d)) V with a causal mask: a module so that parallelisms can swap it (CP)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: (batch, heads, seq, head_dim); k, v may have fewer heads (GQA).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -162,11 +156,11 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
-        positions: (seq,) each token's position for RoPE (default 0..seq-1), for when a rank holds
-        only some chunks of the sequence (context parallelism). A pipeline stage that lacks the
-        embedding, final norm or output (set to None) takes or returns hidden states instead.
+        positions: (seq,) rows of the RoPE tables to use (default: the first seq rows, each
+        attention taking those it needs). A pipeline stage that lacks the embedding, final norm or
+        output (set to None) takes or returns hidden states instead.
         """
-        if positions is None:  # each attention takes the first rows it needs
+        if positions is None:
             cos, sin = self.rope_cos, self.rope_sin
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
@@ -176,12 +170,17 @@ class Transformer(nn.Module):
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
-    def init_buffers(self) -> None:
-        """Fill the RoPE tables (deterministic; call after moving off the meta device)."""
-        freqs = rope_frequencies(self.args).to(self.rope_cos.device)
-        angles = torch.outer(torch.arange(self.args.max_seq_len, device=freqs.device), freqs)
-        self.rope_cos.copy_(angles.cos())
-        self.rope_sin.copy_(angles.sin())
+    def init_buffers(self, positions: torch.Tensor | None = None) -> None:
+        """Fill the RoPE tables (deterministic; call after moving off the meta device).
+
+        positions: the token positions this rank's sequences hold, in order (default all of
+        0..max_seq_len-1); a context-parallel rank holds only some chunks of each sequence.
+        """
+        device = self.rope_cos.device
+        if positions is None:
+            positions = torch.arange(self.args.max_seq_len)
+        angles = torch.outer(positions.to(device, torch.float32), rope_frequencies(self.args).to(device))
+        self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
 
     def init_weights(self) -> None:
         """Random init of every parameter, from torch's global RNG."""

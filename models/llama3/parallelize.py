@@ -20,14 +20,13 @@ from torch.distributed.tensor.parallel import (
 from models.llama3.model import Llama3Args
 
 
-def tensor_parallel_sizes(args: Llama3Args, seq_len: int) -> dict[str, int]:
+def tensor_parallel_sizes(args: Llama3Args) -> dict[str, int]:
     """Sizes that the tensor-parallel degree must divide."""
     return {
         "model n_heads": args.n_heads,
         "model n_kv_heads": args.n_kv_heads,
         "model ffn_hidden_dim": args.ffn_hidden_dim,
         "the vocabulary size": args.vocab_size,
-        "training.seq_len": seq_len,  # sequence parallelism splits it
     }
 
 
