@@ -1,0 +1,124 @@
+"""Time causal attention (forward + backward) on one GPU: plain SDPA per backend, and the
+context-parallel path (parallelisms/context_parallel.py) for the work of one rank of a cp group.
+
+    python scripts/benchmark_attention.py --seq 32768 65536 131072 --out attention.jsonl
+
+With one GPU there is no cp group to gather from, so a cp rank's work is timed by giving it the
+full K/V (what the all-gather would produce) and running its two query chunks, exactly as the
+module does; `cp x rank time / plain time` near 1 means the split costs no extra attention time.
+The communication (an all-gather of K/V forward, a reduce-scatter backward) is not timed here.
+FLOPs: causal attention forward = 2 x 2 x seq^2 x heads x head_dim / 2; forward + backward = 3 x
+forward (the convention of the model FLOPs in metrics: backward = 2 x forward).
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from parallelisms.context_parallel import attend_local_chunks, local_positions
+
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def time_ms(fn, repeat: int) -> float:
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def cp_rank_attention(q, k, v, rank: int, cp: int):
+    """One cp rank's attention, given the whole sequence's K/V (what its all-gather produces)."""
+    positions = local_positions(k.shape[2], rank, cp).to(q.device)
+    return attend_local_chunks(q[:, :, positions], k, v, rank, cp)
+
+
+def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
+    shape = (1, args.heads, seq, args.head_dim)
+    kv_shape = (1, args.kv_heads, seq, args.head_dim)
+    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    flops = 3 * 2 * 2 * seq * seq * args.heads * args.head_dim / 2
+
+    def plain():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(grad)
+
+    results = []
+    plain_ms = {}
+    for name, backend in [("default", None), *BACKENDS.items()]:
+        try:
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                ms = time_ms(plain, args.repeat)
+        except RuntimeError as e:
+            results.append({"seq": seq, "path": f"sdpa-{name}", "error": str(e).splitlines()[0][:200]})
+            continue
+        plain_ms[name] = ms
+        results.append(
+            {"seq": seq, "path": f"sdpa-{name}", "ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)}
+        )
+    best_plain = min(plain_ms.values())
+    with torch.no_grad():
+        reference = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float()
+    for cp in args.cp:
+        for rank in sorted({0, cp - 1}):
+            positions = local_positions(seq, rank, cp).to(q.device)
+            with torch.no_grad():
+                out = cp_rank_attention(q, k, v, rank, cp).float()
+            want = reference[:, :, positions]
+            error = ((out - want).norm() / want.norm()).item()
+            local_grad = grad[:, :, positions]
+            ms = time_ms(lambda: cp_rank_attention(q, k, v, rank, cp).backward(local_grad), args.repeat)  # noqa: B023
+            results.append({
+                "seq": seq, "path": f"cp{cp}-rank{rank}", "ms": round(ms, 2),
+                "tflops": round(flops / cp / ms / 1e9, 1), "cp_x_rank_over_best_plain": round(cp * ms / best_plain, 3),
+                "rel_error_vs_sdpa": float(f"{error:.2e}"),
+            })  # fmt: skip
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for seq in args.seq:
+        for result in bench_sequence(seq, args):
+            print(json.dumps(result), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(result) + "\n")
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
