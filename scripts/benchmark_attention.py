@@ -88,12 +88,13 @@ def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
             want = reference[:, :, positions]
             error = ((out - want).norm() / want.norm()).item()
             local_grad = grad[:, :, positions]
-            ms = time_ms(lambda: cp_rank_attention(q, k, v, rank, cp).backward(local_grad), args.repeat)  # noqa: B023
-            results.append({
-                "seq": seq, "path": f"cp{cp}-rank{rank}", "ms": round(ms, 2),
-                "tflops": round(flops / cp / ms / 1e9, 1), "cp_x_rank_over_best_plain": round(cp * ms / best_plain, 3),
-                "rel_error_vs_sdpa": float(f"{error:.2e}"),
-            })  # fmt: skip
+            step = lambda: cp_rank_attention(q, k, v, rank, cp).backward(local_grad)  # noqa: B023
+            ms = time_ms(step, args.repeat)
+            result = {"seq": seq, "path": f"cp{cp}-rank{rank}", "ms": round(ms, 2)}
+            result["tflops"] = round(flops / cp / ms / 1e9, 1)
+            result["cp_x_rank_over_best_plain"] = round(cp * ms / best_plain, 3)
+            result["rel_error_vs_sdpa"] = float(f"{error:.2e}")
+            results.append(result)
     return results
 
 
