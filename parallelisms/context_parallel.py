@@ -73,22 +73,26 @@ class ContextParallelAttention(nn.Module):
         return torch.cat(ordered, dim=2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values = self._full_sequence(k), self._full_sequence(v)
-        chunk = q.shape[2] // 2
-        outputs = []
-        for half, index in enumerate((self.rank, 2 * self.degree - 1 - self.rank)):
-            query = q[:, :, half * chunk : (half + 1) * chunk]
-            end = (index + 1) * chunk  # this chunk sees every key up to its own last token
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    query,
-                    keys[:, :, :end],
-                    values[:, :, :end],
-                    attn_mask=causal_lower_right(chunk, end),
-                    enable_gqa=True,
-                )  # fmt: skip
+        return attend_local_chunks(q, self._full_sequence(k), self._full_sequence(v), self.rank, self.degree)
+
+
+def attend_local_chunks(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, degree: int
+) -> torch.Tensor:
+    """Exact causal attention of a cp rank's two query chunks (q: batch, heads, 2 x chunk, dim)
+    against the keys and values of the whole sequence, in sequence order."""
+    chunk = q.shape[2] // 2
+    outputs = []
+    for half, index in enumerate((rank, 2 * degree - 1 - rank)):
+        query = q[:, :, half * chunk : (half + 1) * chunk]
+        end = (index + 1) * chunk  # this chunk sees every key up to its own last token
+        mask = causal_lower_right(chunk, end)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=True
             )
-        return torch.cat(outputs, dim=2)
+        )
+    return torch.cat(outputs, dim=2)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
