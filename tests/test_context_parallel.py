@@ -62,3 +62,14 @@ def test_model_without_the_shared_kernel_is_refused():
         ConfigError, match="needs the model's attention to call models.attention.CausalAttentionKernel"
     ):
         apply_context_parallel(OwnAttention(), cp_mesh=None)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_each_rank_attention_equals_full_causal_attention(cp):
+    from parallelisms.context_parallel import attend_local_chunks
+
+    q, k, v = torch.randn(2, 4, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for rank in range(cp):
+        positions = local_positions(32, rank, cp)
+        torch.testing.assert_close(attend_local_chunks(q[:, :, positions], k, v, rank, cp), full[:, :, positions])
