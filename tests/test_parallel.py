@@ -126,7 +126,7 @@ def test_accumulation_under_fsdp_reduces_once_per_step():
     "overrides, world, message",
     [
         (["--parallelism.tensor_parallel_degree", "3"], 4, "world size 4 is not divisible by"),
-        (["--parallelism.data_parallel_shard_degree", "3"], 4, "multiply to 1 x 1 x 3 x 1 = 3"),
+        (["--parallelism.data_parallel_shard_degree", "3"], 4, "multiply to 1 x 1 x 3 x 1 x 1 = 3"),
         (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
           "2", "--parallelism.tensor_parallel_degree", "2"], 4, "but the world size is 4"),
     ],
@@ -149,8 +149,8 @@ def test_layout_errors_through_train_py(tmp_path):
         [*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)], check=False
     )
     assert result.returncode == 2
-    message = "world size 1 is not divisible by pipeline x data_parallel_replicate x tensor parallel degrees"
-    message += " = 1 x 1 x 2"
+    message = "world size 1 is not divisible by the pipeline x replicate x context x tensor parallel degrees"
+    message += " = 1 x 1 x 1 x 2"
     assert result.stderr.strip().splitlines() == [f"error: {message}"]
     # A size that TP cannot split, reported once although every rank finds it.
     result = run_train(
