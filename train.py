@@ -22,6 +22,9 @@ from pathlib import Path
 
 import torch
 
+from checkpoint.manager import Checkpointer
+from checkpoint.preemption import PreemptionWatcher
+from checkpoint.state import TrainState
 from configs import ConfigError, config_to_toml, load_config
 from data.loader import build_dataloader, plan_batches
 from data.tokenizer import build_tokenizer
@@ -36,7 +39,7 @@ from training import distributed
 from training.grad_clip import clip_grad_norm_
 from training.loss import IGNORE_INDEX, TokenNormalizedLoss
 from training.metrics import MetricsLogger, peak_tflops
-from training.optimizer import build_lr_scheduler, build_optimizer
+from training.optimizer import Optimizers
 from training.weight_init import init_weights, materialize
 
 logger = logging.getLogger("train")
@@ -106,8 +109,7 @@ def train(argv: list[str]) -> None:
     )
     use_loss_parallel = dims.tp_enabled and config.parallelism.enable_loss_parallel
 
-    optimizer = build_optimizer(model_parts, config.optimizer, device)
-    lr_scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    optimizers = Optimizers(model_parts, config.optimizer, config.lr_scheduler, config.training.steps, device)
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
@@ -123,6 +125,15 @@ def train(argv: list[str]) -> None:
     dataloader = build_dataloader(
         config.training, tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda"
     )
+
+    # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
+    train_state = TrainState(model=f"{spec.name} {config.model.flavor}")
+    checkpointer = Checkpointer(
+        config.checkpoint, dump_folder, model_parts, optimizers, dataloader.dataset, train_state,
+        spec.state_dict_adapter(args), config.training.steps,
+    )  # fmt: skip
+    checkpointer.load()
+    preemption = PreemptionWatcher() if config.checkpoint.enable else None
     batches = iter(dataloader)
 
     metrics = MetricsLogger(
@@ -143,8 +154,10 @@ def train(argv: list[str]) -> None:
     )
     max_norm = config.training.max_norm if config.training.max_norm > 0 else float("inf")
     parameters = [p for part in model_parts for p in part.parameters()]
-    metrics.start(0)
-    for step in range(1, config.training.steps + 1):
+    first_step = train_state.step + 1
+    metrics.start(train_state.step)
+    for step in range(first_step, config.training.steps + 1):
+        lr = optimizers.set_lr(step)
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
         if positions is not None:
             micro_batches = [shard_sequences(batch, positions) for batch in micro_batches]
@@ -166,19 +179,31 @@ def train(argv: list[str]) -> None:
                     step_loss += loss.detach()
 
         grad_norm = clip_grad_norm_(parameters, max_norm, mesh["pp"].get_group() if dims.pp_enabled else None)
-        lr = lr_scheduler.get_last_lr()[0]
-        optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizers.step()
+        optimizers.zero_grad()
+        train_state.step = step
+        train_state.tokens_seen += global_batch * config.training.seq_len
 
-        if step == 1:
+        if step == first_step:
             metrics.first_step_done(START_TIME)
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
             if dims.pp_enabled:  # only the last stage has the loss
                 step_loss = distributed.all_reduce_sum(step_loss, mesh["pp"].get_group())
             loss_value = distributed.all_reduce_sum(step_loss, tokens_group).item()
-            metrics.log(step, loss_value, grad_norm.item(), lr)
+            extra = {}
+            if config.metrics.log_sample_ids:
+                extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
+            metrics.log(step, loss_value, grad_norm.item(), lr, extra)
 
+        if preemption is not None and preemption.requested():
+            path = checkpointer.save(step, blocking=True)
+            logger.info(
+                f"preempted ({preemption.signal_name or 'signal on another rank'}): saved {path}; exiting"
+            )
+            break
+        checkpointer.maybe_save(step)
+
+    checkpointer.wait()
     metrics.close()
     logger.info("training done")
     distributed.destroy_process_group(wait_for_peers=True)

@@ -212,6 +212,14 @@ def check_values(config: JobConfig) -> None:
         ("lr_scheduler.decay_ratio", 0 < s.decay_ratio <= 1, "must be in (0, 1]"),
         ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
+        ("checkpoint.interval", config.checkpoint.interval >= 1, "must be >= 1"),
+        ("checkpoint.keep_latest_k", config.checkpoint.keep_latest_k >= 0, "must be >= 0 (0 keeps all)"),
+        ("checkpoint.folder", config.checkpoint.folder.strip() != "", "must not be empty"),
+        (
+            "checkpoint.exclude_from_loading",
+            set(config.checkpoint.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
+            "may only name model, optimizer, train, dataloader",
+        ),
         ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree >= 1, "must be >= 1"),
         (
             "parallelism.data_parallel_shard_degree",

@@ -179,12 +179,55 @@ class Parallelism:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints, and resume from the latest one when the same command runs again."""
+
+    folder: str = "checkpoint"
+    """Folder for checkpoints, inside job.dump_folder."""
+
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+
+    keep_latest_k: int = 0
+    """Keep only the newest k complete checkpoints (older complete ones are deleted after a new one
+    is written); 0 keeps all."""
+
+    load_step: int = -1
+    """Resume from this step's checkpoint; -1 = the latest complete one."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled: training waits for the save. async: tensors are copied to host memory, then written
+    by a background thread while training goes on. async_with_pinned_mem: the same through pinned
+    host buffers (faster copies from the GPU)."""
+
+    last_save_model_only: bool = False
+    """At the last step save only the model weights (in export_dtype), e.g. for export; such a
+    checkpoint can start another run (initial_load_path) but not continue this one."""
+
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the weights in a model-only save."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to load when resuming: any of "model", "optimizer", "train" (step,
+    tokens seen, RNG), "dataloader" (the data cursor)."""
+
+    initial_load_path: str = ""
+    """Weights to start from when there is no checkpoint to resume: a checkpoint folder (step-N) or
+    a Hugging Face folder of .safetensors files (converted through the model's adapter)."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
 
     enable_tensorboard: bool = True
     """Also write the metrics as TensorBoard scalars under tb/ in the dump folder."""
+
+    log_sample_ids: bool = False
+    """Also record in metrics.jsonl the global ids of the samples each logged step read (to check
+    which data a run saw, e.g. across a resume on another number of ranks)."""
 
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s per device for MFU; 0 = look the GPU up in a table (A100, H100,
@@ -199,4 +242,5 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)

@@ -32,6 +32,14 @@ def _env(threads: int | None) -> dict[str, str]:
     return env
 
 
+def train_command(args: list[str], nproc: int | None = None) -> list[str]:
+    """`python train.py ARGS`, or `torchrun --standalone --nproc-per-node N train.py ARGS`."""
+    if nproc is None:
+        return [sys.executable, str(REPO / "train.py"), *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return [*torchrun, str(REPO / "train.py"), *args]
+
+
 def run_train(
     args: list[str],
     nproc: int | None = None,
@@ -40,16 +48,12 @@ def run_train(
     timeout: int = 600,
     threads: int | None = 1,
 ) -> subprocess.CompletedProcess:
-    """`python train.py ARGS`, or `torchrun --standalone --nproc-per-node N train.py ARGS`.
+    """Run train.py to the end (see train_command).
 
     One thread per process by default (ranks share the CPU; results do not depend on the core
     count); threads=None leaves torch's default, for a lone process that should use every core.
     """
-    if nproc is None:
-        command = [sys.executable, str(REPO / "train.py"), *args]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", str(REPO / "train.py"), *args]  # fmt: skip
+    command = train_command(args, nproc)
     result = subprocess.run(
         command, cwd=cwd, env=_env(threads), capture_output=True, text=True, timeout=timeout
     )
@@ -58,6 +62,15 @@ def run_train(
             f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def start_train(args: list[str], nproc: int | None = None, log: Path | None = None) -> subprocess.Popen:
+    """Start train.py in a session of its own, so that a test can kill it with all its ranks."""
+    output = log.open("w") if log else subprocess.DEVNULL
+    command = train_command(args, nproc)
+    return subprocess.Popen(
+        command, cwd=REPO, env=_env(1), stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def read_metrics(dump_folder: Path) -> list[dict]:

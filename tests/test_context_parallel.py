@@ -72,4 +72,6 @@ def test_each_rank_attention_equals_full_causal_attention(cp):
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for rank in range(cp):
         positions = local_positions(32, rank, cp)
-        torch.testing.assert_close(attend_local_chunks(q[:, :, positions], k, v, rank, cp), full[:, :, positions])
+        torch.testing.assert_close(
+            attend_local_chunks(q[:, :, positions], k, v, rank, cp), full[:, :, positions]
+        )

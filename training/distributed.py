@@ -61,6 +61,14 @@ def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return value
 
 
+def gather_sample_ids(micro_batches: list[dict], dp_group: dist.ProcessGroup) -> list[int]:
+    """The global ids of the samples that all data-parallel ranks read this step, sorted."""
+    local = [int(i) for batch in micro_batches for i in batch["sample_ids"]]
+    gathered: list[list[int]] = [[] for _ in range(dist.get_world_size(dp_group))]
+    dist.all_gather_object(gathered, local, group=dp_group)
+    return sorted(i for ids in gathered for i in ids)
+
+
 def destroy_process_group(wait_for_peers: bool = False) -> None:
     """wait_for_peers: after a normal finish, so that no rank tears down its connections while a
     peer still has messages in flight (seen to abort gloo at exit); not after an error, where a

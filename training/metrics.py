@@ -103,7 +103,7 @@ class MetricsLogger:
             torch.cuda.synchronize(self.device)
         logger.info(f"step 1 done {time.time() - start_time:.1f} s after start")
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float) -> dict:
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
         now = time.perf_counter()
         step_time = (now - self.last_time) / max(step - self.last_step, 1)
         tps = self.tokens_per_step / step_time / self.world_size
@@ -117,6 +117,7 @@ class MetricsLogger:
             "tflops": round(tflops, 3),
             "mfu": round(100 * tflops / self.peak, 2) if self.peak else None,
             "memory_gib": round(_memory_gib(self.device), 3),
+            **(extra or {}),
         }
         eta = _duration(step_time * (self.total_steps - step))
         mfu = f"{record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
@@ -130,7 +131,7 @@ class MetricsLogger:
                 f.write(json.dumps(record) + "\n")
             if self.tensorboard is not None:
                 for key, value in record.items():
-                    if key != "step" and value is not None:
+                    if key != "step" and isinstance(value, (int, float)):
                         self.tensorboard.add_scalar(key, value, step)
                 self.tensorboard.flush()
         self.last_time, self.last_step = time.perf_counter(), step

@@ -1,18 +1,37 @@
-"""AdamW and the learning-rate schedule (linear warmup, then flat, then linear/sqrt/cosine decay)."""
+"""AdamW and the learning-rate schedule (linear warmup, then flat, then linear/sqrt/cosine decay).
+
+The schedule is a pure function of the step, so resuming needs no scheduler state beyond the step,
+and a run resumed with more steps or another decay follows the new schedule from there.
+"""
 
 import math
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
 
 from configs.schema import LRScheduler, Optimizer
 
 
-def build_optimizer(
-    model_parts: list[nn.Module], config: Optimizer, device: torch.device
-) -> torch.optim.Optimizer:
-    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
+    """Multiplier of the peak lr for the optimizer step with 0-based index step_index."""
+    warmup = min(config.warmup_steps, steps)
+    decay = round((steps - warmup) * config.decay_ratio)
+    stable = steps - warmup - decay
+    if step_index < warmup:
+        return (step_index + 1) / (warmup + 1)
+    if step_index < warmup + stable or decay == 0:
+        return 1.0
+    progress = min((step_index - warmup - stable) / decay, 1.0)
+    shape = {
+        "linear": 1 - progress,
+        "sqrt": 1 - math.sqrt(progress),
+        "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
+    }[config.decay_type]
+    return config.min_lr_factor + (1 - config.min_lr_factor) * shape
+
+
+def _adamw(part: nn.Module, config: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in part.parameters() if p.requires_grad]
     # Weight decay on matrices only; norm weights (1-D) are left alone.
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
@@ -31,23 +50,34 @@ def build_optimizer(
     )
 
 
-def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
-    """Multiplier of the peak lr for the optimizer step with 0-based index step_index."""
-    warmup = min(config.warmup_steps, steps)
-    decay = round((steps - warmup) * config.decay_ratio)
-    stable = steps - warmup - decay
-    if step_index < warmup:
-        return (step_index + 1) / (warmup + 1)
-    if step_index < warmup + stable or decay == 0:
-        return 1.0
-    progress = min((step_index - warmup - stable) / decay, 1.0)  # the scheduler looks one step past the end
-    shape = {
-        "linear": 1 - progress,
-        "sqrt": 1 - math.sqrt(progress),
-        "cosine": 0.5 * (1 + math.cos(math.pi * progress)),
-    }[config.decay_type]
-    return config.min_lr_factor + (1 - config.min_lr_factor) * shape
+class Optimizers:
+    """One AdamW per model part (a rank holds several parts with virtual pipeline stages), stepped
+    together. One per part because checkpoints save optimizer state under each part's parameter
+    names (torch.distributed.checkpoint.state_dict works per module)."""
 
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        config: Optimizer,
+        schedule: LRScheduler,
+        steps: int,
+        device: torch.device,
+    ):
+        self.parts = [_adamw(part, config, device) for part in model_parts]
+        self.peak_lr, self.schedule, self.steps = config.lr, schedule, steps
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: LRScheduler, steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step_index: lr_factor(step_index, steps, config))
+    def set_lr(self, step: int) -> float:
+        """Set and return the lr of optimizer step `step` (1-based)."""
+        lr = self.peak_lr * lr_factor(step - 1, self.steps, self.schedule)
+        for optimizer in self.parts:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return lr
+
+    def step(self) -> None:
+        for optimizer in self.parts:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self.parts:
+            optimizer.zero_grad(set_to_none=True)

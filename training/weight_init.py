@@ -67,9 +67,14 @@ def init_weights(model: nn.Module, template: nn.Module, seed: int) -> None:
         torch.manual_seed(parameter_seed(seed, name))
         _initializer_of(template, owner).init_weights()
         holder._parameters[leaf] = meta_param
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(full)
+        copy_full_tensor(param, full)
     torch.manual_seed(seed)  # leave the global RNG in a defined state
+
+
+def copy_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of the full (unsharded) tensor into param, sharded or not."""
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)

@@ -57,6 +57,38 @@ class Llama3StateDictAdapter:
     def __init__(self, args: Llama3Args):
         self.args = args
 
+    def hf_config(self, dtype: str) -> dict:
+        """config.json of the equivalent transformers LlamaForCausalLM."""
+        a = self.args
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": a.dim,
+            "intermediate_size": a.ffn_hidden_dim,
+            "num_hidden_layers": a.n_layers,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": a.n_kv_heads,
+            "head_dim": a.dim // a.n_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": a.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": None
+            if a.rope_scaling_factor == 1.0
+            else {
+                "rope_type": "llama3",
+                "factor": a.rope_scaling_factor,
+                "low_freq_factor": a.rope_low_freq_factor,
+                "high_freq_factor": a.rope_high_freq_factor,
+                "original_max_position_embeddings": a.rope_original_max_position,
+            },
+            "max_position_embeddings": max(a.max_seq_len, a.rope_original_max_position),
+            "vocab_size": a.vocab_size,
+            "tie_word_embeddings": a.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": dtype,
+        }
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hf = {}
         for name, tensor in state_dict.items():

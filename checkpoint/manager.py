@@ -1,0 +1,264 @@
+"""Saving and resuming: DCP checkpoints that appear only when complete, load into any layout.
+
+Layout on disk, under <dump_folder>/<checkpoint.folder>:
+    step-500/          a complete checkpoint (DCP files + .metadata)
+    step-1000.partial/ a save in progress (or killed): never loaded, never counted
+A save is written to step-N.partial and renamed to step-N by rank 0 once every rank has finished
+(DCP writes .metadata last, after all ranks' data). Re-running the same command resumes from the
+latest complete checkpoint; without one, checkpoint.initial_load_path gives starting weights.
+"""
+
+import logging
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpoint import hf
+from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
+from configs import ConfigError
+from configs.schema import Checkpoint
+
+logger = logging.getLogger(__name__)
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+PARTS = ("model", "optimizer", "train", "dataloader")
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the complete checkpoints in folder, oldest first."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for path in folder.iterdir():
+        match = STEP_FOLDER.match(path.name)
+        if match and (path / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        config: Checkpoint,
+        dump_folder: Path,
+        model_parts: list[nn.Module],
+        optimizers,
+        dataset,
+        train_state: TrainState,
+        adapter,
+        total_steps: int,
+    ):
+        self.config = config
+        self.folder = dump_folder / config.folder
+        self.model_parts = model_parts
+        self.optimizers = optimizers
+        self.dataset = dataset
+        self.train_state = train_state
+        self.adapter = adapter
+        self.total_steps = total_steps
+        self.is_rank0 = dist.get_rank() == 0
+        self.pending = None  # (future, partial path, final path) of an async save
+        # Async saves run collectives from a background thread: give them their own group.
+        self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
+
+    # ---- what is saved -------------------------------------------------------------------
+    def _state(self, parts=PARTS) -> dict:
+        state = {}
+        if "model" in parts:
+            state["model"] = model_state(self.model_parts)
+        if "optimizer" in parts:
+            state["optimizer"] = optimizer_state(self.model_parts, self.optimizers.parts)
+        if "train" in parts:
+            state["train"] = self.train_state.to_dict()
+        if "dataloader" in parts:
+            state["dataloader"] = self.dataset.state_dict()
+        return state
+
+    # ---- saving ----------------------------------------------------------------------------
+    def maybe_save(self, step: int) -> None:
+        if not self.config.enable:
+            return
+        if step % self.config.interval == 0 or step == self.total_steps:
+            self.save(step)
+
+    def save(self, step: int, blocking: bool = False) -> Path:
+        """Write checkpoint step-<step>; returns its final path (complete once committed)."""
+        self.wait()  # one save in flight at a time
+        final = self.folder / f"step-{step}"
+        partial = self.folder / f"step-{step}.partial"
+        if self.is_rank0:
+            if partial.exists():
+                shutil.rmtree(partial)  # left by a save of this step that was killed
+            partial.mkdir(parents=True)
+        dist.barrier()
+        model_only = self.config.last_save_model_only and step == self.total_steps
+        state = self._state(("model",) if model_only else PARTS)
+        if model_only:
+            dtype = getattr(torch, self.config.export_dtype)
+            state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
+        start = time.perf_counter()
+        if self.config.async_mode == "disabled" or blocking or model_only:
+            dcp.save(state, checkpoint_id=str(partial))
+            self._commit(partial, final)
+            logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
+        else:
+            future = self._async_save(state, partial)
+            self.pending = (future, partial, final)
+            logger.info(
+                f"saving checkpoint {final} in the background (staged in {time.perf_counter() - start:.1f} s)"
+            )
+        return final
+
+    def _async_save(self, state: dict, partial: Path):
+        if self.config.async_mode == "async_with_pinned_mem":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # Copy to pinned host memory before returning (the next optimizer step may then
+            # change the weights); the writing happens in the background.
+            options = StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=False,
+            )
+            stager = DefaultStager(options)
+            response = dcp.async_save(
+                state, checkpoint_id=str(partial), process_group=self.group, async_stager=stager
+            )
+            return response.upload_completion
+        return dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+
+    def wait(self) -> None:
+        """Finish the background save, if any, and commit it."""
+        if self.pending is None:
+            return
+        future, partial, final = self.pending
+        future.result()
+        dist.barrier(group=self.group)  # every rank's part is written
+        self._commit(partial, final)
+        self.pending = None
+        logger.info(f"saved checkpoint {final}")
+
+    def _commit(self, partial: Path, final: Path) -> None:
+        if self.is_rank0:
+            if final.exists():  # an older save of the same step (e.g. the run was restarted)
+                shutil.rmtree(final)
+            partial.rename(final)
+            self._keep_latest()
+        dist.barrier(group=self.group)
+
+    def _keep_latest(self) -> None:
+        keep = self.config.keep_latest_k
+        if keep <= 0:
+            return
+        for step in complete_steps(self.folder)[:-keep]:
+            shutil.rmtree(self.folder / f"step-{step}")
+
+    # ---- loading ---------------------------------------------------------------------------
+    def load(self) -> bool:
+        """Resume from a checkpoint of this run, or load initial weights; True if resumed."""
+        steps = complete_steps(self.folder) if self.config.enable else []
+        if self.config.enable and self.is_rank0:
+            for stale in sorted(self.folder.glob("step-*.partial")):
+                logger.warning(f"ignoring {stale}: a save that did not finish (delete it to free space)")
+        if steps:
+            step = steps[-1] if self.config.load_step == -1 else self.config.load_step
+            if step not in steps:
+                raise ConfigError(
+                    f"checkpoint.load_step {step}: no complete checkpoint step-{step} in {self.folder}"
+                )
+            self._load_checkpoint(self.folder / f"step-{step}")
+            return True
+        if self.config.load_step not in (-1, 0) and self.config.enable:
+            raise ConfigError(
+                f"checkpoint.load_step {self.config.load_step}: no checkpoints in {self.folder}"
+            )
+        if self.config.initial_load_path:
+            self._load_initial_weights(Path(self.config.initial_load_path))
+        return False
+
+    def _load_checkpoint(self, path: Path) -> None:
+        parts = [p for p in PARTS if p not in self.config.exclude_from_loading]
+        saved = _read_metadata(path)
+        self._check_compatible(path, saved, parts)
+        state = self._state(parts)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+            raise ConfigError(
+                f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
+            ) from None
+        if "model" in parts:
+            load_model_state(self.model_parts, state["model"])
+        if "optimizer" in parts:
+            load_optimizer_state(self.model_parts, self.optimizers.parts, state["optimizer"])
+        if "train" in parts:
+            self.train_state.load_dict(state["train"])
+        if "dataloader" in parts:
+            self.dataset.load_state_dict(state["dataloader"])
+        logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")
+
+    def _check_compatible(self, path: Path, saved: dict, parts: list[str]) -> None:
+        """Refuse a checkpoint of another model, or one lacking what is to be loaded."""
+        missing = [p for p in parts if not any(key.startswith(p + ".") for key in saved)]
+        if missing:
+            raise ConfigError(
+                f"checkpoint {path} has no {', '.join(missing)} (a model-only save?); to start from its "
+                f"weights use checkpoint.initial_load_path, or exclude_from_loading = {missing}"
+            )
+        ours = {f"model.{name}": tuple(t.shape) for name, t in model_state(self.model_parts).items()}
+        _check_shapes(path, saved, ours)
+
+    def _load_initial_weights(self, path: Path) -> None:
+        if not path.exists():
+            raise ConfigError(f"checkpoint.initial_load_path '{path}' does not exist")
+        if hf.is_hf_folder(path):
+            hf.load_into(self.model_parts, self.adapter, path)
+        else:
+            saved = _read_metadata(path)
+            state = {"model": model_state(self.model_parts)}
+            _check_shapes(path, saved, {f"model.{n}": tuple(t.shape) for n, t in state["model"].items()})
+            try:
+                dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+            except (Exception, dcp.CheckpointException) as e:
+                raise ConfigError(
+                    f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}"
+                ) from None
+            load_model_state(self.model_parts, state["model"])
+        logger.info(f"initial weights from {path}")
+
+
+def _read_metadata(path: Path) -> dict:
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"{path} is not a complete DCP checkpoint (no .metadata)")
+    try:
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise ConfigError(
+            f"checkpoint {path} is corrupt: its .metadata cannot be read ({first_line(e)})"
+        ) from None
+
+
+def _check_shapes(path: Path, saved: dict, ours: dict[str, tuple]) -> None:
+    problems = []
+    for key, shape in ours.items():
+        entry = saved.get(key)
+        if entry is None:
+            problems.append(f"{key[6:]} is missing")
+        elif isinstance(entry, TensorStorageMetadata) and tuple(entry.size) != shape:
+            problems.append(f"{key[6:]} is {tuple(entry.size)} there, {shape} here")
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ConfigError(f"checkpoint {path} holds a different model: {shown}")
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__

@@ -1,0 +1,248 @@
+"""Checkpointing: exact resume, resharding across layouts, atomic saves, preemption, bad checkpoints.
+
+All through real `train.py` runs (fp32, CPU). The reference is one uninterrupted single-process
+run of 10 steps that also saves at step 5.
+"""
+
+import hashlib
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY, read_metrics, run_train, start_train
+
+STEPS = 10
+# Global batch 8, checkpoints every 5 steps, sample ids recorded.
+COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--checkpoint.enable",
+          "--checkpoint.interval", "5", "--metrics.log_sample_ids"]  # fmt: skip
+SINGLE = ["--training.local_batch_size", "8"]
+
+
+def by_step(records: list[dict]) -> dict[int, dict]:
+    """The last record of each step (a killed run may have logged steps that were redone)."""
+    return {r["step"]: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("reference")
+    run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    """Runs on other layouts, each leaving a checkpoint at step 5, made on first use."""
+    layouts = {
+        "fsdp2": (2, ["--training.local_batch_size", "4"]),
+        "pp2": (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    }  # fmt: skip
+    made = {}
+
+    class Sources(dict):
+        def __missing__(self, name):
+            nproc, overrides = layouts[name]
+            folder = tmp_path_factory.mktemp(name)
+            run_train([*COMMON, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
+            made[name] = folder
+            return folder
+
+    return Sources()
+
+
+def resume_from(source: Path, tmp_path: Path, step: int = 5) -> Path:
+    """A new run folder holding only the source's step checkpoint."""
+    target = tmp_path / "resumed"
+    shutil.copytree(source / "checkpoint" / f"step-{step}", target / "checkpoint" / f"step-{step}")
+    return target
+
+
+def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
+    got, want = by_step(read_metrics(resumed)), by_step(read_metrics(reference))
+    assert sorted(got) == list(range(6, STEPS + 1))  # it started after the checkpoint
+    for step, record in got.items():
+        assert record["loss"] == pytest.approx(want[step]["loss"], rel=rel, abs=0), step
+        assert record["sample_ids"] == want[step]["sample_ids"], step
+
+
+@pytest.mark.parametrize(
+    "source, nproc, overrides",
+    [
+        ("fsdp2", 4, ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]),
+        ("pp2", 4, ["--training.local_batch_size", "2"]),  # PP 2 (two stages per rank) -> FSDP 4
+        (
+            "single",
+            4,
+            ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
+        ),
+        ("single", 2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+    ],
+    ids=["fsdp2-to-fsdp2xtp2", "pp2-to-fsdp4", "single-to-hsdp2x2", "single-to-cp2"],
+)
+def test_resume_on_another_layout(source, nproc, overrides, reference, sources, tmp_path):
+    folder = resume_from(reference if source == "single" else sources[source], tmp_path)
+    result = run_train([*COMMON, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
+    assert "resumed from" in result.stdout
+    assert_continues(folder, reference, rel=1e-5)
+
+
+def test_data_parallel_2_to_4_reads_the_same_samples(reference, sources, tmp_path):
+    folder = resume_from(sources["fsdp2"], tmp_path)
+    run_train([*COMMON, "--training.local_batch_size", "2", "--job.dump_folder", str(folder)], nproc=4)
+    resumed = by_step(read_metrics(folder))
+    for step in range(6, STEPS + 1):
+        assert resumed[step]["sample_ids"] == list(range((step - 1) * 8, step * 8))
+    assert_continues(folder, reference, rel=1e-5)
+
+
+def test_kill_9_and_rerun_resumes_bitwise(tmp_path):
+    """kill -9 a 2-rank run somewhere after its first checkpoint; the same command finishes it."""
+    steps = ["--training.steps", "60", "--checkpoint.interval", "10"]
+    args = [*COMMON, *steps, "--training.local_batch_size", "4"]
+    uninterrupted = tmp_path / "uninterrupted"
+    run_train([*args, "--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)], nproc=2)
+    folder = tmp_path / "killed"
+    process = start_train([*args, "--job.dump_folder", str(folder)], nproc=2, log=tmp_path / "killed.log")
+    deadline = time.time() + 120
+    while (
+        not (folder / "checkpoint" / "step-10").exists() and process.poll() is None and time.time() < deadline
+    ):
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert (folder / "checkpoint" / "step-10").exists()
+    killed_at = max(r["step"] for r in read_metrics(folder))
+    assert killed_at < 60, "the run finished before it could be killed"
+    result = run_train([*args, "--job.dump_folder", str(folder)], nproc=2)
+    assert "resumed from" in result.stdout
+    want = by_step(read_metrics(uninterrupted))
+    got = by_step(read_metrics(folder))
+    assert sorted(got) == list(range(1, 61))
+    assert [got[s]["loss"] for s in range(1, 61)] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+
+
+def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference, tmp_path):
+    folder = resume_from(reference, tmp_path)
+    bigger = ["--training.local_batch_size", "16", "--training.global_batch_size", "16"]
+    result = run_train([*COMMON, *bigger, "--job.dump_folder", str(folder)])
+    assert "training.global_batch_size changed from 8 to 16" in result.stdout + result.stderr
+    first = by_step(read_metrics(folder))[6]
+    assert first["sample_ids"] == list(range(40, 56))
+
+
+def test_incomplete_save_is_ignored(reference, tmp_path):
+    folder = resume_from(reference, tmp_path)
+    partial = folder / "checkpoint" / "step-7.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
+    assert "resumed from" in result.stdout and "step-5" in result.stdout
+    assert "ignoring" in result.stdout and "step-7.partial" in result.stdout
+    assert_continues(folder, reference, rel=0)  # same layout: bitwise
+
+
+def checksums(folder: Path) -> dict[str, str]:
+    """Data files of a checkpoint (not .metadata) by content."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.distcp"))}
+
+
+def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = tmp_path / "async"
+    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", "async", "--job.dump_folder", str(folder)])
+    for step in (5, 10):
+        sync, asynchronous = reference / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}"
+        data = checksums(asynchronous)
+        assert data == checksums(sync) and any(name.endswith(".distcp") for name in data)
+        # .metadata also records the path and a save id; what it says of the data must agree.
+        index = [FileSystemReader(str(f)).read_metadata().state_dict_metadata for f in (sync, asynchronous)]
+        assert index[0] == index[1]
+
+
+def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
+    folder = tmp_path / "keep"
+    stray = folder / "checkpoint" / "step-3.partial"
+    stray.mkdir(parents=True)
+    run_train([*COMMON, *SINGLE, "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "2",
+               "--job.dump_folder", str(folder)])  # fmt: skip
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [
+        "step-10",
+        "step-3.partial",
+        "step-8",
+    ]
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    folder = tmp_path / "preempted"
+    log = tmp_path / "run.log"
+    process = start_train([*COMMON, *SINGLE, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                           "--job.dump_folder", str(folder)], log=log)  # fmt: skip
+    deadline = time.time() + 120
+    while not (folder / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0
+    output = log.read_text()
+    saved = [line for line in output.splitlines() if "preempted (SIGTERM): saved" in line]
+    assert len(saved) == 1
+    step = max(r["step"] for r in read_metrics(folder))
+    assert str(folder / "checkpoint" / f"step-{step}") in saved[0]
+    assert (folder / "checkpoint" / f"step-{step}" / ".metadata").exists()
+
+
+def error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stdout + result.stderr
+    return lines[0]
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(reference, tmp_path):
+    folder = resume_from(reference, tmp_path)
+    data = next((folder / "checkpoint" / "step-5").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    before = checksums(folder / "checkpoint" / "step-5")
+    result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)], check=False)
+    assert "could not be read" in error_line(result) and "step-5" in error_line(result)
+    assert checksums(folder / "checkpoint" / "step-5") == before
+    assert not (folder / "metrics.jsonl").exists()
+
+
+def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
+    folder = resume_from(reference, tmp_path)
+    result = run_train([*COMMON, *SINGLE, "--model.flavor", "debugmodel", "--job.dump_folder", str(folder)],
+                       check=False)  # fmt: skip
+    line = error_line(result)
+    assert (
+        "holds a different model" in line
+        and "tok_embeddings.weight is (320, 64) there, (320, 256) here" in line
+    )
+
+
+def test_unknown_load_step_is_refused(reference, tmp_path):
+    folder = resume_from(reference, tmp_path)
+    result = run_train([*COMMON, *SINGLE, "--checkpoint.load_step", "7", "--job.dump_folder", str(folder)],
+                       check=False)  # fmt: skip
+    assert "checkpoint.load_step 7: no complete checkpoint step-7" in error_line(result)
+
+
+def test_model_only_last_save_starts_a_new_run_but_cannot_continue_one(tmp_path):
+    first = tmp_path / "first"
+    run_train([*COMMON, *SINGLE, "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16",
+               "--job.dump_folder", str(first)])  # fmt: skip
+    final = first / "checkpoint" / "step-10"
+    more = ["--training.steps", "12", "--job.dump_folder", str(first)]
+    result = run_train([*COMMON, *SINGLE, *more], check=False)
+    assert "has no optimizer, train, dataloader" in error_line(result)
+    second = tmp_path / "second"
+    result = run_train(
+        [*COMMON, *SINGLE, "--checkpoint.initial_load_path", str(final), "--job.dump_folder", str(second)]
+    )
+    assert f"initial weights from {final}" in result.stdout
+    assert (
+        by_step(read_metrics(second))[1]["loss"] < by_step(read_metrics(first))[1]["loss"] - 0.1
+    )  # trained weights
