@@ -1,0 +1,115 @@
+"""Hugging Face import and export: conversion scripts, initial weights, logits equal to transformers."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, TINY, read_metrics, run_train
+
+from checkpoint import hf
+from models import get_model_spec
+from models.spec import model_args
+from training.weight_init import init_weights, materialize
+
+COMMON = [*TINY, "--training.steps", "5", "--training.global_batch_size", "8"]
+
+
+def script(name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True
+    )
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def read_model(checkpoint: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = {name: torch.empty_like(t) for name, t in like.items()}
+    dcp.load(
+        {"model": state},
+        checkpoint_id=str(checkpoint),
+        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+    )
+    return state
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 5-step run with its checkpoint, and its export to Hugging Face files."""
+    folder = tmp_path_factory.mktemp("trained")
+    run_train(
+        [*COMMON, "--training.local_batch_size", "8", "--checkpoint.enable", "--job.dump_folder", str(folder)]
+    )
+    step = str(folder / "checkpoint/step-5")
+    script("convert_dcp_to_hf.py", "--checkpoint", step, "--output", str(folder / "hf"), "--dtype", "float32")
+    return folder
+
+
+def tiny_state() -> dict[str, torch.Tensor]:
+    spec = get_model_spec("llama3")
+    with torch.device("meta"):
+        model = spec.model_cls(model_args(spec, "tiny", 32, 258))
+    return {name: torch.empty(p.shape) for name, p in model.named_parameters()}
+
+
+def test_export_then_import_gives_back_the_same_weights(trained, tmp_path):
+    hf_folder = trained / "hf"
+    assert (hf_folder / "config.json").is_file() and (hf_folder / "model.safetensors.index.json").is_file()
+    script("convert_hf_to_dcp.py", "--hf", str(hf_folder), "--config", str(trained / "config.toml"),
+           "--output", str(tmp_path / "dcp"))  # fmt: skip
+    original = read_model(trained / "checkpoint/step-5", tiny_state())
+    round_trip = read_model(tmp_path / "dcp", tiny_state())
+    for name in original:
+        assert torch.equal(original[name], round_trip[name]), name
+
+
+def test_training_starts_from_hf_weights_on_any_layout(trained, tmp_path):
+    losses = {}
+    for name, nproc, local in [("single", None, "8"), ("fsdp2", 2, "4")]:
+        folder = tmp_path / name
+        weights = ["--checkpoint.initial_load_path", str(trained / "hf")]
+        run_train(
+            [*COMMON, "--training.local_batch_size", local, *weights, "--job.dump_folder", str(folder)],
+            nproc=nproc,
+        )
+        losses[name] = read_metrics(folder)[0]["loss"]
+    scratch = read_metrics(trained)[0]["loss"]
+    assert losses["fsdp2"] == pytest.approx(losses["single"], rel=1e-6)
+    assert losses["single"] < scratch - 0.1  # the trained weights, not a fresh init
+
+
+def test_conversion_errors(trained, tmp_path):
+    result = script("convert_dcp_to_hf.py", "--checkpoint", str(trained / "checkpoint/step-5"),
+                    "--output", str(trained / "hf"), check=False)  # fmt: skip
+    assert result.returncode == 2 and "already exists" in result.stderr
+    result = script("convert_hf_to_dcp.py", "--hf", str(tmp_path), "--config", str(trained / "config.toml"),
+                    "--output", str(tmp_path / "out"), check=False)  # fmt: skip
+    assert result.returncode == 2 and "holds no .safetensors files" in result.stderr
+    other = tmp_path / "debug.toml"
+    other.write_text('[model]\nflavor = "debugmodel"\n')
+    result = script("convert_hf_to_dcp.py", "--hf", str(trained / "hf"), "--config", str(other),
+                    "--output", str(tmp_path / "out"), check=False)  # fmt: skip
+    assert result.returncode == 2 and "the model's is" in result.stderr
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_equal_transformers(tied, tmp_path):
+    transformers = pytest.importorskip("transformers")  # optional; run where it is installed
+    spec = get_model_spec("llama3")
+    args = model_args(spec, "tiny", 64, 258, [f"tie_embeddings={str(tied).lower()}"])
+    with torch.device("meta"):
+        model, template = spec.model_cls(args), spec.model_cls(args)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, template, seed=7)
+    model.init_buffers()
+    state = {name: p.detach() for name, p in model.named_parameters()}
+    hf.save(state, spec.state_dict_adapter(args), tmp_path / "hf", torch.float32)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    theirs.eval()
+    tokens = torch.randint(0, 258, (2, 64))
+    with torch.no_grad():
+        ours, reference = model(tokens), theirs(tokens).logits
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
