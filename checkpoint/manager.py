@@ -132,7 +132,8 @@ class Checkpointer:
             response = dcp.async_save(
                 state, checkpoint_id=str(partial), process_group=self.group, async_stager=stager
             )
-            return response.upload_completion
+            # A Future, or (torch versions that stage asynchronously) a response holding one.
+            return getattr(response, "upload_completion", response)
         return dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
 
     def wait(self) -> None:
