@@ -31,7 +31,9 @@ from data.tokenizer import build_tokenizer
 from models import check_flavor, get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
+from parallelisms.compile import RecompileWatch
 from parallelisms.context_parallel import local_positions, shard_sequences
+from parallelisms.float8 import check_float8, precompute_float8_scales
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
@@ -69,6 +71,7 @@ def train(argv: list[str]) -> None:
         spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
     )
     dims.check_sequence_split(config.training.seq_len)
+    check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     if dims.tp_enabled:
         dims.check_divisibility(spec.tensor_parallel_sizes(args))
     with torch.device("meta"):
@@ -114,7 +117,7 @@ def train(argv: list[str]) -> None:
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
     global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
-    loss_fn = TokenNormalizedLoss()
+    loss_fn = TokenNormalizedLoss(compile=config.compile.enable and not use_loss_parallel)
     pipeline = None
     if dims.pp_enabled:
         schedule = config.parallelism.pipeline_parallel_schedule
@@ -155,6 +158,7 @@ def train(argv: list[str]) -> None:
     max_norm = config.training.max_norm if config.training.max_norm > 0 else float("inf")
     parameters = [p for part in model_parts for p in part.parameters()]
     first_step = train_state.step + 1
+    recompile_watch = RecompileWatch(config.compile.enable)
     metrics.start(train_state.step)
     for step in range(first_step, config.training.steps + 1):
         lr = optimizers.set_lr(step)
@@ -181,12 +185,16 @@ def train(argv: list[str]) -> None:
         grad_norm = clip_grad_norm_(parameters, max_norm, mesh["pp"].get_group() if dims.pp_enabled else None)
         optimizers.step()
         optimizers.zero_grad()
+        precompute_float8_scales(model_parts, config.float8)
         train_state.step = step
         train_state.tokens_seen += global_batch * config.training.seq_len
 
         if step == first_step:
             metrics.first_step_done(START_TIME)
+        if step == first_step + 1:
+            recompile_watch.warmed_up()
         if step % config.metrics.log_freq == 0 or step == config.training.steps:
+            recompile_watch.recompiles()
             if dims.pp_enabled:  # only the last stage has the loss
                 step_loss = distributed.all_reduce_sum(step_loss, mesh["pp"].get_group())
             loss_value = distributed.all_reduce_sum(step_loss, tokens_group).item()
@@ -205,6 +213,10 @@ def train(argv: list[str]) -> None:
 
     checkpointer.wait()
     metrics.close()
+    if config.compile.enable:
+        logger.info(
+            f"torch.compile: {recompile_watch.recompiles()} frames compiled after step {first_step + 1}"
+        )
     logger.info("training done")
     distributed.destroy_process_group(wait_for_peers=True)
 

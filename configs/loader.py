@@ -213,6 +213,15 @@ def check_values(config: JobConfig) -> None:
         ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
         ("checkpoint.interval", config.checkpoint.interval >= 1, "must be >= 1"),
+        (
+            "activation_checkpoint.selective_ac_option",
+            config.activation_checkpoint.selective_ac_option == "op"
+            or (
+                config.activation_checkpoint.selective_ac_option.isdigit()
+                and int(config.activation_checkpoint.selective_ac_option) >= 1
+            ),
+            'must be "op" or a positive whole number',
+        ),
         ("checkpoint.keep_latest_k", config.checkpoint.keep_latest_k >= 0, "must be >= 0 (0 keeps all)"),
         ("checkpoint.folder", config.checkpoint.folder.strip() != "", "must not be empty"),
         (

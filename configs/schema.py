@@ -179,6 +179,45 @@ class Parallelism:
 
 
 @dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile every transformer block (fullgraph unless context parallel) and the loss.
+    Costs compile time at the first step; no recompilation happens after step 2 (logged)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them. full: every block keeps only
+    its input. selective: see selective_ac_option."""
+
+    selective_ac_option: str = "op"
+    """With mode = selective: "op" keeps the outputs of matmuls and attention and recomputes the
+    cheap element-wise work (norms, RoPE, SiLU); a number N checkpoints every N-th block fully."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Float8 matmuls for the Linear layers (torchao; on CUDA needs compute capability 8.9+).
+    Not combined with tensor parallelism."""
+
+    recipe_name: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao scaling recipe: one scale per tensor (fastest), or per row (more accurate)."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """tensorwise + FSDP: all-gather weights already cast to float8 (half the bytes of bf16)."""
+
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """tensorwise + FSDP float8 all-gather: compute all weight scales in one pass after each
+    optimizer step instead of one small reduction per layer."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers whose name contains any of these stay in bf16 (the output projection by
+    default: its accuracy matters most and the vocabulary dimension is large)."""
+
+
+@dataclass
 class Checkpoint:
     enable: bool = False
     """Save checkpoints, and resume from the latest one when the same command runs again."""
@@ -243,4 +282,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
     metrics: Metrics = field(default_factory=Metrics)

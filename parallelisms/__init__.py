@@ -2,8 +2,11 @@
 
 parallel_dims.py     degrees, checks and the device mesh
 pipeline.py          splitting into stages and running a schedule (train.py calls it first)
+float8.py            torchao float8 Linear layers
 tensor_parallel.py   applying a model's TP plan, loss parallelism
 context_parallel.py  load-balanced sequence split, all-gather-KV attention
+activation_checkpoint.py  recompute activations in backward (full, every N blocks, by op)
+compile.py           torch.compile per block
 fsdp.py              FSDP2 / HSDP
 """
 
@@ -13,7 +16,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from configs.schema import JobConfig
 from models.spec import ModelSpec
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.float8 import apply_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tensor_parallel
@@ -30,16 +36,25 @@ def parallelize(
     """Apply the parallelisms to a meta-device model, in place, in this order (the order matters):
 
     (Pipeline splitting comes before: train.py calls this once per stage.)
-    1. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
+    1. float8: Linear layers become torchao Float8Linear (before any sharding sees them)
+    2. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
        the loss is computed on vocabulary shards when loss parallelism is on
-    2. context parallel: causal attention kernels become all-gather-KV ones over "cp"
-    3. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
+    3. context parallel: causal attention kernels become all-gather-KV ones over "cp"
+    4. activation checkpointing: blocks are wrapped to recompute activations in backward
+    5. torch.compile per block: it sees the sharded, wrapped block it will run
+    6. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
        context-parallel) ranks, 2-D DTensors when tensor parallel came first
     """
+    if config.float8.enable:
+        apply_float8(model, config.float8)
     if dims.tp_enabled:
         apply_tensor_parallel(model, spec, mesh["tp"], config.parallelism.enable_loss_parallel)
     if dims.cp_enabled:
         apply_context_parallel(model, mesh["cp"])
+    apply_activation_checkpointing(model, config.activation_checkpoint)
+    if config.compile.enable:
+        # The context-parallel attention's collectives break the graph; elsewhere one graph per block.
+        apply_compile(model, fullgraph=not dims.cp_enabled)
     if dims.fsdp_enabled:
         bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
         apply_fsdp(

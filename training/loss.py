@@ -25,10 +25,15 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 class TokenNormalizedLoss:
     """loss(logits, labels) = summed token loss / num_tokens; train.py sets num_tokens every step
-    (the pipeline schedule calls the same object for each of its micro-batches)."""
+    (the pipeline schedule calls the same object for each of its micro-batches).
 
-    def __init__(self) -> None:
+    compile: fuse the float32 upcast with the cross-entropy, so the float32 logits never exist
+    in full (not with vocabulary-sharded logits, which are DTensors).
+    """
+
+    def __init__(self, compile: bool = False) -> None:
         self.num_tokens = 1.0
+        self.cross_entropy_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) / self.num_tokens
+        return self.cross_entropy_sum(logits, labels) / self.num_tokens
