@@ -1,0 +1,124 @@
+"""torch.compile, activation checkpointing and float8: same training, on every layout they support.
+
+fp32 on CPU, so each must reproduce the plain single-process run (compile within 1e-5: its fused
+kernels round differently; checkpointing exactly: it recomputes the same ops).
+"""
+
+import os
+
+import pytest
+from conftest import TINY, read_metrics, run_train
+
+STEPS = 10
+COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
+SINGLE = ["--training.local_batch_size", "8"]
+COMPILE = ["--compile.enable"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def inductor_cache(tmp_path_factory):
+    """One compile cache for the module's runs: a cold inductor compile costs ~15 s per process."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="module")
+def eager(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("eager")
+    run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
+    return read_metrics(folder)
+
+
+def assert_same_losses(records: list[dict], reference: list[dict], rel: float) -> None:
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    for got, want in zip(records, reference):
+        assert got["loss"] == pytest.approx(want["loss"], rel=rel, abs=0), got["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=max(rel, 1e-6) * 10), got["step"]
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        (None, [*SINGLE]),
+        (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"]),  # FSDP 2 + AC
+        (2, [*SINGLE, "--parallelism.pipeline_parallel_degree", "2"]),
+        (2, [*SINGLE, "--parallelism.context_parallel_degree", "2"]),  # graph breaks at the all-gather
+    ],
+    ids=["single", "fsdp2-ac", "pp2", "cp2"],
+)
+def test_compile_matches_eager_without_recompiles(nproc, overrides, eager, tmp_path):
+    result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    assert_same_losses(read_metrics(tmp_path), eager, rel=1e-5)
+    assert "torch.compile: 0 frames compiled after step 2" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "mode", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "op"],
+             ["selective", "--activation_checkpoint.selective_ac_option", "2"]],
+    ids=["full", "selective-op", "every-2nd-block"],
+)  # fmt: skip
+def test_activation_checkpointing_is_exact(mode, eager, tmp_path):
+    run_train([*COMMON, *SINGLE, "--activation_checkpoint.mode", *mode, "--job.dump_folder", str(tmp_path)])
+    assert_same_losses(read_metrics(tmp_path), eager, rel=0)
+
+
+def test_checkpoints_of_compiled_checkpointed_models_resume_anywhere(eager, tmp_path):
+    """Wrappers (compile, activation checkpointing) leave no trace in checkpoint names."""
+    saving = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    first = tmp_path / "first"
+    run_train([*COMMON, *SINGLE, *saving, *COMPILE, "--activation_checkpoint.mode", "full",
+               "--job.dump_folder", str(first)])  # fmt: skip
+    second = tmp_path / "second"
+    (second / "checkpoint").mkdir(parents=True)
+    (first / "checkpoint" / "step-5").rename(second / "checkpoint" / "step-5")
+    run_train(
+        [*COMMON, "--training.local_batch_size", "4", *saving, "--job.dump_folder", str(second)], nproc=2
+    )
+    assert_same_losses(read_metrics(second), eager[5:], rel=1e-5)
+
+
+def test_float8_tracks_full_precision_over_300_steps(tmp_path):
+    """torchao float8 (emulated on CPU) against float32 on the same data: the loss over the last 50
+    of 300 steps (one step's loss is too noisy at this size) within 1%."""
+    args = [*TINY, "--training.steps", "300", "--training.local_batch_size", "8",
+            "--lr_scheduler.warmup_steps", "20", "--optimizer.lr", "3e-3"]  # fmt: skip
+    run_train([*args, "--job.dump_folder", str(tmp_path / "fp32")])
+    run_train([*args, "--float8.enable", "--job.dump_folder", str(tmp_path / "fp8")])
+    full, fp8 = ([r["loss"] for r in read_metrics(tmp_path / name)] for name in ("fp32", "fp8"))
+    assert sum(full[-50:]) / 50 < sum(full[:10]) / 10 - 2.0  # it learned
+    assert sum(fp8[-50:]) / 50 == pytest.approx(sum(full[-50:]) / 50, rel=0.01)
+
+
+def test_float8_with_fsdp_float8_all_gather(tmp_path):
+    single, sharded = tmp_path / "single", tmp_path / "fsdp2"
+    float8 = ["--float8.enable", "--float8.enable_fsdp_float8_all_gather",
+              "--float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
+    run_train([*COMMON, *SINGLE, "--float8.enable", "--job.dump_folder", str(single)])
+    run_train(
+        [*COMMON, "--training.local_batch_size", "4", *float8, "--job.dump_folder", str(sharded)], nproc=2
+    )
+    assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, nproc, message",
+    [
+        (["--float8.enable", "--parallelism.tensor_parallel_degree", "2"], 2,
+         "float8 with tensor parallelism is not supported"),
+        (["--float8.enable", "--float8.recipe_name", "rowwise", "--float8.enable_fsdp_float8_all_gather"],
+         None, "enable_fsdp_float8_all_gather works only with recipe_name = 'tensorwise'"),
+        (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+         None, 'must be "op" or a positive whole number'),
+    ],
+)  # fmt: skip
+def test_refused_combinations(overrides, nproc, message, tmp_path):
+    result = run_train(
+        [*COMMON, *SINGLE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc, check=False
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and message in errors[0], result.stderr[-2000:]
