@@ -37,11 +37,12 @@ from parallelisms.float8 import check_float8, precompute_float8_scales
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
-from training import distributed
+from training import distributed, profiling
 from training.grad_clip import clip_grad_norm_
 from training.loss import IGNORE_INDEX, TokenNormalizedLoss
 from training.metrics import MetricsLogger, peak_tflops
 from training.optimizer import Optimizers
+from training.profiling import StepProfiler
 from training.weight_init import init_weights, materialize
 
 logger = logging.getLogger("train")
@@ -159,8 +160,10 @@ def train(argv: list[str]) -> None:
     parameters = [p for part in model_parts for p in part.parameters()]
     first_step = train_state.step + 1
     recompile_watch = RecompileWatch(config.compile.enable)
+    profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
     for step in range(first_step, config.training.steps + 1):
+        profiler.step_begins(step)
         lr = optimizers.set_lr(step)
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
         if positions is not None:
@@ -188,6 +191,7 @@ def train(argv: list[str]) -> None:
         precompute_float8_scales(model_parts, config.float8)
         train_state.step = step
         train_state.tokens_seen += global_batch * config.training.seq_len
+        profiler.step_ends(step)
 
         if step == first_step:
             metrics.first_step_done(START_TIME)
@@ -229,6 +233,9 @@ def main() -> int:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except torch.OutOfMemoryError:
+        profiling.save_after_oom()
+        raise
     finally:
         distributed.destroy_process_group()
     return 0

@@ -213,6 +213,8 @@ def check_values(config: JobConfig) -> None:
         ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
         ("checkpoint.interval", config.checkpoint.interval >= 1, "must be >= 1"),
+        ("profiling.start_step", config.profiling.start_step >= 1, "must be >= 1"),
+        ("profiling.steps", config.profiling.steps >= 1, "must be >= 1"),
         (
             "activation_checkpoint.selective_ac_option",
             config.activation_checkpoint.selective_ac_option == "op"

@@ -218,6 +218,25 @@ class Float8:
 
 
 @dataclass
+class Profiling:
+    enable: bool = False
+    """Record torch profiler traces of some steps (see start_step, steps, ranks) under profiles/."""
+
+    start_step: int = 10
+    """First profiled step (after warm-up and compilation)."""
+
+    steps: int = 2
+    """Number of consecutive steps in the trace."""
+
+    ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks that record traces."""
+
+    memory_snapshot: bool = False
+    """CUDA only: also record the allocator's history and save a memory snapshot after the profiled
+    steps, or when training runs out of CUDA memory."""
+
+
+@dataclass
 class Checkpoint:
     enable: bool = False
     """Save checkpoints, and resume from the latest one when the same command runs again."""
@@ -285,4 +304,5 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
     metrics: Metrics = field(default_factory=Metrics)

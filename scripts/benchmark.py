@@ -13,6 +13,7 @@ reserved by the CUDA allocator, and time_to_first_step_s runs from launch to the
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
+    if args.profile_dir:  # trace two steps after warm-up
+        overrides = [*overrides, "--profiling.enable", "--profiling.start_step", str(args.warmup + 2)]
     with tempfile.TemporaryDirectory() as folder:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -38,6 +41,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         if result.returncode != 0:
             return {"name": args.name, "error": log[-3000:], "returncode": result.returncode}
         records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        if args.profile_dir:
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            for trace in (Path(folder) / "profiles").glob("*"):
+                shutil.copy(trace, Path(args.profile_dir) / f"{args.name or 'run'}_{trace.name}")
     measured = [r for r in records if r["step"] > args.warmup] or records[-1:]
     first_step = re.search(r"step 1 done ([\d.]+) s after start", log)
     mfu = [r["mfu"] for r in measured if r["mfu"] is not None]
@@ -68,6 +75,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
     parser.add_argument("--log-freq", type=int, default=5)
     parser.add_argument("--out", help="also append the JSON line to this file")
+    parser.add_argument("--profile-dir", help="also trace two steps after warm-up and keep the traces here")
     argv = sys.argv[1:]
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
