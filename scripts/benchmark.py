@@ -25,12 +25,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run(args: argparse.Namespace, overrides: list[str]) -> dict:
-    if args.profile_dir:  # trace two steps after warm-up
-        overrides = [*overrides, "--profiling.enable", "--profiling.start_step", str(args.warmup + 2)]
+    steps = args.steps
+    if args.profile_dir:  # trace two extra steps after the measured ones (the profiler slows them)
+        steps = args.steps + 3
+        overrides = [*overrides, "--profiling.enable", "--profiling.start_step", str(args.steps + 2)]
     with tempfile.TemporaryDirectory() as folder:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-            str(REPO / "train.py"), "--config", args.config, "--training.steps", str(args.steps),
+            str(REPO / "train.py"), "--config", args.config, "--training.steps", str(steps),
             "--metrics.log_freq", str(args.log_freq), "--metrics.enable_tensorboard", "false",
             "--job.dump_folder", folder, *overrides,
         ]  # fmt: skip
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             for trace in (Path(folder) / "profiles").glob("*"):
                 shutil.copy(trace, Path(args.profile_dir) / f"{args.name or 'run'}_{trace.name}")
-    measured = [r for r in records if r["step"] > args.warmup] or records[-1:]
+    measured = [r for r in records if args.warmup < r["step"] <= args.steps] or records[-1:]
     first_step = re.search(r"step 1 done ([\d.]+) s after start", log)
     mfu = [r["mfu"] for r in measured if r["mfu"] is not None]
     return {
