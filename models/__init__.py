@@ -11,6 +11,7 @@ from models.spec import ModelSpec
 
 MODEL_PACKAGES = {
     "llama3": "models.llama3",
+    "qwen3": "models.qwen3",
 }
 
 

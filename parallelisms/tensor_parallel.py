@@ -8,7 +8,15 @@ import contextlib
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+)
 
 from models.spec import ModelSpec
 from parallelisms.tied_weights import retie, tied_parameter_names
@@ -25,3 +33,43 @@ def apply_tensor_parallel(
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     """Cross-entropy on vocabulary-sharded logits; forward and backward must both run inside."""
     return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+# Megatron-style plans with sequence parallelism for the common decoder layout (tok_embeddings,
+# layers.N with attention_norm / attention.wq..wo / ffn_norm / feed_forward.w1..w3, norm, output),
+# which a model's parallelize.py applies and extends. Between blocks the residual stream is
+# sharded over the sequence (Shard(1)); each norm runs on its sequence shard; attention and
+# feed-forward gather the sequence, split heads / hidden units (column-wise in, row-wise out) and
+# reduce-scatter back to sequence shards. The output projection is column-wise over the
+# vocabulary: with loss parallelism the logits stay sharded.
+
+
+def decoder_root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def decoder_block_plan() -> dict[str, ParallelStyle]:
+    return {
+        "attention_norm": SequenceParallel(),
+        # (x, cos, sin): gather x over the sequence; the RoPE tables are plain tensors.
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }

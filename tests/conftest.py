@@ -32,12 +32,12 @@ def _env(threads: int | None) -> dict[str, str]:
     return env
 
 
-def train_command(args: list[str], nproc: int | None = None) -> list[str]:
+def train_command(args: list[str], nproc: int | None = None, repo: Path = REPO) -> list[str]:
     """`python train.py ARGS`, or `torchrun --standalone --nproc-per-node N train.py ARGS`."""
     if nproc is None:
-        return [sys.executable, str(REPO / "train.py"), *args]
+        return [sys.executable, str(repo / "train.py"), *args]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*torchrun, str(REPO / "train.py"), *args]
+    return [*torchrun, str(repo / "train.py"), *args]
 
 
 def run_train(
@@ -47,13 +47,14 @@ def run_train(
     check: bool = True,
     timeout: int = 600,
     threads: int | None = 1,
+    repo: Path = REPO,
 ) -> subprocess.CompletedProcess:
-    """Run train.py to the end (see train_command).
+    """Run train.py (of repo: a copy of this repository, or itself) to the end.
 
     One thread per process by default (ranks share the CPU; results do not depend on the core
     count); threads=None leaves torch's default, for a lone process that should use every core.
     """
-    command = train_command(args, nproc)
+    command = train_command(args, nproc, repo)
     result = subprocess.run(
         command, cwd=cwd, env=_env(threads), capture_output=True, text=True, timeout=timeout
     )

@@ -95,10 +95,11 @@ def test_conversion_errors(trained, tmp_path):
     assert result.returncode == 2 and "the model's is" in result.stderr
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_logits_equal_transformers(tied, tmp_path):
+def test_logits_equal_transformers(family, tied, tmp_path):
     transformers = pytest.importorskip("transformers")  # optional; run where it is installed
-    spec = get_model_spec("llama3")
+    spec = get_model_spec(family)
     args = model_args(spec, "tiny", 64, 258, [f"tie_embeddings={str(tied).lower()}"])
     with torch.device("meta"):
         model, template = spec.model_cls(args), spec.model_cls(args)
@@ -107,7 +108,10 @@ def test_logits_equal_transformers(tied, tmp_path):
     model.init_buffers()
     state = {name: p.detach() for name, p in model.named_parameters()}
     hf.save(state, spec.state_dict_adapter(args), tmp_path / "hf", torch.float32)
-    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"), torch_dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf"), torch_dtype=torch.float32
+    )
+    assert type(theirs).__name__ == {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     theirs.eval()
     tokens = torch.randint(0, 258, (2, 64))
     with torch.no_grad():

@@ -202,3 +202,40 @@ def test_meta_build_allocates_nothing():
     with torch.device("meta"):
         model = Transformer(model_args(SPEC, "405B", 8192, 128256))
     assert all(p.is_meta for p in model.parameters())
+
+
+# Qwen3 parameter counts of the official releases (model cards: total; non-embedding excludes the
+# embedding and, when untied, the output projection).
+@pytest.mark.parametrize(
+    "flavor, total, non_embedding",
+    [("0.6B", 596_049_920, 0.44e9), ("1.7B", 1_720_574_976, 1.4e9), ("4B", 4_022_468_096, 3.6e9),
+     ("8B", 8_190_735_360, 6.95e9), ("14B", 14_768_307_200, 13.2e9), ("32B", 32_762_123_264, 31.2e9)],
+)  # fmt: skip
+def test_qwen3_parameter_counts(flavor, total, non_embedding):
+    spec = get_model_spec("qwen3")
+    with torch.device("meta"):
+        model = spec.model_cls(model_args(spec, flavor, 4096, 151936))
+    count = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_embeddings.weight.numel() * (1 if model.args.tie_embeddings else 2)
+    assert count == total
+    assert (count - embedding) / 1e9 == pytest.approx(non_embedding / 1e9, abs=0.05)  # cards round
+    assert model.args.tie_embeddings == (flavor in ("0.6B", "1.7B", "4B"))
+
+
+def test_qwen3_builds_trains_and_adapts():
+    spec = get_model_spec("qwen3")
+    args = model_args(spec, "tiny", 16, 258)
+    with torch.device("meta"):
+        model, template = spec.model_cls(args), spec.model_cls(args)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, template, 0)
+    model.init_buffers()
+    logits = model(torch.randint(0, 258, (2, 16)))
+    assert logits.shape == (2, 16, 320)
+    logits.sum().backward()
+    assert model.layers["0"].attention.q_norm.weight.grad is not None
+    adapter = spec.state_dict_adapter(args)
+    state = dict(model.state_dict())
+    hf = adapter.to_hf(state)
+    assert "model.layers.0.self_attn.q_norm.weight" in hf
+    assert adapter.from_hf(hf).keys() == state.keys()

@@ -1,7 +1,11 @@
-"""Data, tensor and pipeline parallelism: every layout reproduces the single-process run (fp32, CPU).
+"""Data, tensor, pipeline and context parallelism: every layout reproduces the single-process run.
 
-Each layout is a real `torchrun ... train.py` launch; the reference is `python train.py`. Bars:
-step-1 loss within 1e-6 relative, the 10-step loss curve within 1e-4, grad norms within 1e-5.
+Each layout is a real `torchrun ... train.py` launch (fp32, CPU, gloo); the reference is `python
+train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step loss curve within
+1e-4, grad norms within 1e-5. Llama 3 runs every layout; Qwen3 one of each kind (HSDP, TP with
+loss parallel and its QK-norm plan, FSDP x TP, virtual and split-backward pipeline stages, CP, and
+PP x CP x TP), which keeps the suite's time in bounds while crossing every code path a second
+model could break.
 """
 
 import os
@@ -76,19 +80,30 @@ LAYOUTS |= {
 }
 
 
+QWEN3_LAYOUTS = [
+    "hsdp2x2",
+    "tp2",
+    "fsdp2_tp2",
+    "pp4_Interleaved1F1B",
+    "pp2_ZBVZeroBubble",
+    "cp2",
+    "pp2_cp2_tp2",
+]
+CASES = [("llama3", layout) for layout in LAYOUTS] + [("qwen3", layout) for layout in QWEN3_LAYOUTS]
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs (local batch 8), one per model variant (--model.args), made on first use."""
+    """Single-process runs (local batch 8), one per model and --model.args, made on first use."""
     made = {}
 
-    def reference(overrides: list[str]) -> list[dict]:
+    def reference(model: str, overrides: list[str]) -> list[dict]:
         model_args = overrides[overrides.index("--model.args") :][:2] if "--model.args" in overrides else []
-        key = " ".join(model_args)
+        key = " ".join([model, *model_args])
         if key not in made:
             folder = tmp_path_factory.mktemp("single")
-            run_train(
-                [*COMMON, *model_args, "--training.local_batch_size", "8", "--job.dump_folder", str(folder)]
-            )
+            single = ["--model.name", model, *model_args, "--training.local_batch_size", "8"]
+            run_train([*COMMON, *single, "--job.dump_folder", str(folder)])
             made[key] = read_metrics(folder)
             assert len(made[key]) == STEPS
         return made[key]
@@ -104,11 +119,12 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), f"step {got['step']}"
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, references, tmp_path):
+@pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])
+def test_layout_matches_single_process(model, layout, references, tmp_path):
     processes, overrides = LAYOUTS[layout][0], LAYOUTS[layout][1].split()
-    result = run_train([*COMMON, *overrides, "--job.dump_folder", str(tmp_path)], nproc=processes)
-    assert_parity(read_metrics(tmp_path), references(overrides))
+    run = ["--model.name", model, *overrides, "--job.dump_folder", str(tmp_path)]
+    result = run_train([*COMMON, *run], nproc=processes)
+    assert_parity(read_metrics(tmp_path), references(model, overrides))
     assert "error" not in result.stderr.lower().replace("error_file", "")
 
 

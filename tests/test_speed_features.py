@@ -28,10 +28,23 @@ def inductor_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory) -> list[dict]:
-    folder = tmp_path_factory.mktemp("eager")
-    run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
-    return read_metrics(folder)
+def eager_runs(tmp_path_factory):
+    """Plain single-process runs, one per model, made on first use."""
+    made = {}
+
+    def eager(model: str = "llama3") -> list[dict]:
+        if model not in made:
+            folder = tmp_path_factory.mktemp(f"eager_{model}")
+            run_train([*COMMON, *SINGLE, "--model.name", model, "--job.dump_folder", str(folder)])
+            made[model] = read_metrics(folder)
+        return made[model]
+
+    return eager
+
+
+@pytest.fixture(scope="module")
+def eager(eager_runs) -> list[dict]:
+    return eager_runs("llama3")
 
 
 def assert_same_losses(records: list[dict], reference: list[dict], rel: float) -> None:
@@ -57,6 +70,14 @@ def test_compile_matches_eager_without_recompiles(nproc, overrides, eager, tmp_p
     assert "torch.compile: 0 frames compiled after step 2" in result.stdout
 
 
+def test_qwen3_compiled_with_selective_checkpointing(eager_runs, tmp_path):
+    op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
+    qwen3 = ["--model.name", "qwen3", *SINGLE, *COMPILE, *op_ac]
+    result = run_train([*COMMON, *qwen3, "--job.dump_folder", str(tmp_path)])
+    assert_same_losses(read_metrics(tmp_path), eager_runs("qwen3"), rel=1e-5)
+    assert "torch.compile: 0 frames compiled after step 2" in result.stdout
+
+
 @pytest.mark.parametrize(
     "mode", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "op"],
              ["selective", "--activation_checkpoint.selective_ac_option", "2"]],
@@ -67,12 +88,14 @@ def test_activation_checkpointing_is_exact(mode, eager, tmp_path):
     assert_same_losses(read_metrics(tmp_path), eager, rel=0)
 
 
-def test_checkpoints_of_compiled_checkpointed_models_resume_anywhere(eager, tmp_path):
-    """Wrappers (compile, activation checkpointing) leave no trace in checkpoint names."""
+def test_checkpoints_of_checkpointed_models_resume_anywhere(eager, tmp_path):
+    """Activation checkpointing's wrapper leaves no trace in checkpoint names (module.compile adds
+    none to begin with)."""
     saving = ["--checkpoint.enable", "--checkpoint.interval", "5"]
     first = tmp_path / "first"
-    run_train([*COMMON, *SINGLE, *saving, *COMPILE, "--activation_checkpoint.mode", "full",
-               "--job.dump_folder", str(first)])  # fmt: skip
+    run_train(
+        [*COMMON, *SINGLE, *saving, "--activation_checkpoint.mode", "full", "--job.dump_folder", str(first)]
+    )
     second = tmp_path / "second"
     (second / "checkpoint").mkdir(parents=True)
     (first / "checkpoint" / "step-5").rename(second / "checkpoint" / "step-5")
@@ -94,13 +117,15 @@ def test_float8_tracks_full_precision_over_300_steps(tmp_path):
     assert sum(fp8[-50:]) / 50 == pytest.approx(sum(full[-50:]) / 50, rel=0.01)
 
 
-def test_float8_with_fsdp_float8_all_gather(tmp_path):
+@pytest.mark.parametrize("model", ["llama3", "qwen3"])
+def test_float8_with_fsdp_float8_all_gather(model, tmp_path):
     single, sharded = tmp_path / "single", tmp_path / "fsdp2"
     float8 = ["--float8.enable", "--float8.enable_fsdp_float8_all_gather",
               "--float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
-    run_train([*COMMON, *SINGLE, "--float8.enable", "--job.dump_folder", str(single)])
+    common = [*COMMON, "--model.name", model]
+    run_train([*common, *SINGLE, "--float8.enable", "--job.dump_folder", str(single)])
     run_train(
-        [*COMMON, "--training.local_batch_size", "4", *float8, "--job.dump_folder", str(sharded)], nproc=2
+        [*common, "--training.local_batch_size", "4", *float8, "--job.dump_folder", str(sharded)], nproc=2
     )
     assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-4)
 

@@ -1,23 +1,12 @@
-"""How Llama 3 is split by tensor parallelism (Megatron-style, with sequence parallelism).
-
-Between blocks the residual stream is sharded over the sequence (Shard(1)); each norm runs on its
-sequence shard; attention and feed-forward gather the sequence, split heads / hidden units
-(column-wise in, row-wise out) and reduce-scatter back to sequence shards. The output projection is
-column-wise over the vocabulary: with loss parallelism the logits stay sharded.
-"""
+"""How Llama 3 is split by tensor parallelism: the standard decoder plan (Megatron-style with
+sequence parallelism, see parallelisms/tensor_parallel.py), which fits this model as it is."""
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
 from models.llama3.model import Llama3Args
+from parallelisms.tensor_parallel import decoder_block_plan, decoder_root_plan
 
 
 def tensor_parallel_sizes(args: Llama3Args) -> dict[str, int]:
@@ -31,39 +20,6 @@ def tensor_parallel_sizes(args: Llama3Args) -> dict[str, int]:
 
 
 def apply_tensor_parallel_plan(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(
-                input_layouts=Shard(1),
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,
-            ),
-        },
-    )
+    parallelize_module(model, tp_mesh, decoder_root_plan(loss_parallel))
     for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                # (x, cos, sin): gather x over the sequence; the RoPE tables are plain tensors.
-                "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
+        parallelize_module(block, tp_mesh, decoder_block_plan())

@@ -4,10 +4,9 @@ Meta's RoPE rotates interleaved pairs; Hugging Face's rotates the two halves of 
 model in HF layout therefore has the rows of wq and wk permuted within each head.
 """
 
-import re
-
 import torch
 
+from models.hf_names import NameMap
 from models.llama3.model import Llama3Args
 
 # Our name -> HF name; {} is the layer index.
@@ -27,20 +26,7 @@ _NAMES = {
 }
 
 
-def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(r"\{\}", r"(\d+)") + "$")
-
-
-_TO_HF = [(_pattern(ours), hf) for ours, hf in _NAMES.items()]
-_FROM_HF = [(_pattern(hf), ours) for ours, hf in _NAMES.items()]
-
-
-def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
-    for pattern, target in table:
-        match = pattern.match(name)
-        if match:
-            return target.format(*match.groups())
-    raise KeyError(f"no Hugging Face counterpart known for '{name}'")
+NAMES = NameMap(_NAMES)
 
 
 def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -98,13 +84,13 @@ class Llama3StateDictAdapter:
                 tensor = _interleaved_to_halves(tensor, self.args.n_heads)
             elif name.endswith("attention.wk.weight"):
                 tensor = _interleaved_to_halves(tensor, self.args.n_kv_heads)
-            hf[_rename(name, _TO_HF)] = tensor
+            hf[NAMES.to_hf(name)] = tensor
         return hf
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ours = {}
         for hf_name, tensor in hf_state_dict.items():
-            name = _rename(hf_name, _FROM_HF)
+            name = NAMES.from_hf(hf_name)
             if name.endswith("attention.wq.weight"):
                 tensor = _halves_to_interleaved(tensor, self.args.n_heads)
             elif name.endswith("attention.wk.weight"):
