@@ -28,7 +28,8 @@ class Model:
     """Model family, a key of the registry in models/__init__.py."""
 
     flavor: str = "debugmodel"
-    """Size of the model within its family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B)."""
+    """Size of the model within its family (llama3: tiny, debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3:
+    tiny, debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B)."""
 
     args: list[str] = field(default_factory=list)
     """Changes to the flavor's architecture arguments, as "name=value" strings, e.g.
