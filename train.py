@@ -38,11 +38,14 @@ from parallelisms.fsdp import set_gradient_sync
 from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
 from training import distributed, profiling
-from training.grad_clip import clip_grad_norm_
+from training.dry_run import dry_run
+from training.grad_clip import clip_grads_, global_grad_norm
 from training.loss import IGNORE_INDEX, TokenNormalizedLoss
 from training.metrics import MetricsLogger, peak_tflops
+from training.nonfinite import NonFiniteError, NonFiniteGuard
 from training.optimizer import Optimizers
 from training.profiling import StepProfiler
+from training.validation import Validator
 from training.weight_init import init_weights, materialize
 
 logger = logging.getLogger("train")
@@ -51,6 +54,8 @@ logger = logging.getLogger("train")
 def train(argv: list[str]) -> None:
     config = load_config(argv)
     distributed.setup_logging()
+    if config.job.dry_run:
+        return dry_run(config)
     device = distributed.select_device(config.training.device)
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     distributed.init_process_group(device)
@@ -59,8 +64,11 @@ def train(argv: list[str]) -> None:
     is_logging_rank = distributed.rank() == 0
     dump_folder = Path(config.job.dump_folder)
     if is_logging_rank:
-        dump_folder.mkdir(parents=True, exist_ok=True)
-        (dump_folder / "config.toml").write_text(config_to_toml(config))
+        try:
+            dump_folder.mkdir(parents=True, exist_ok=True)
+            (dump_folder / "config.toml").write_text(config_to_toml(config))
+        except OSError as e:
+            raise ConfigError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
     if config.job.description:
         logger.info(config.job.description)
 
@@ -129,6 +137,7 @@ def train(argv: list[str]) -> None:
     dataloader = build_dataloader(
         config.training, tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda"
     )
+    validator = Validator(config.validation, config.training, tokenizer, global_batch, dp_rank, dp_degree)
 
     # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
     train_state = TrainState(model=f"{spec.name} {config.model.flavor}")
@@ -160,33 +169,48 @@ def train(argv: list[str]) -> None:
     parameters = [p for part in model_parts for p in part.parameters()]
     first_step = train_state.step + 1
     recompile_watch = RecompileWatch(config.compile.enable)
+    nonfinite_guard = NonFiniteGuard(config.training.nonfinite_policy, config.training.max_skipped_steps)
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
-    for step in range(first_step, config.training.steps + 1):
-        profiler.step_begins(step)
-        lr = optimizers.set_lr(step)
-        micro_batches = [next(batches) for _ in range(accumulation_steps)]
-        if positions is not None:
+
+    def forward_backward(micro_batches: list[dict], train: bool = True) -> torch.Tensor:
+        """This rank's part of one global batch's loss (summed over its micro-batches, each divided
+        by the global token count; 0 on pipeline stages other than the last), with backward if train."""
+        if positions is not None:  # a context-parallel rank keeps its chunks of each sequence
             micro_batches = [shard_sequences(batch, positions) for batch in micro_batches]
         # Each token weighs the same whatever micro-batch or rank it lands on.
         num_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro_batches)
         loss_fn.num_tokens = distributed.all_reduce_sum(num_tokens.float(), tokens_group).item()
-        with loss_parallel_context(use_loss_parallel), autocast:
+        with loss_parallel_context(use_loss_parallel), autocast, torch.set_grad_enabled(train):
             if pipeline is not None:
                 # The schedule runs all of the step's micro-batches at once: one gradient reduction.
-                step_loss = pipeline.step(micro_batches)
-            else:
-                step_loss = torch.zeros((), device=device)
-                for index, batch in enumerate(micro_batches):
-                    set_gradient_sync(model, index == len(micro_batches) - 1)
-                    logits = model(batch["input"].to(device, non_blocking=True))
-                    loss = loss_fn(logits, batch["labels"].to(device, non_blocking=True))
-                    del logits
+                return pipeline.step(micro_batches, train)
+            batch_loss = torch.zeros((), device=device)
+            for index, batch in enumerate(micro_batches):
+                set_gradient_sync(model, index == len(micro_batches) - 1)
+                logits = model(batch["input"].to(device, non_blocking=True))
+                loss = loss_fn(logits, batch["labels"].to(device, non_blocking=True))
+                del logits
+                if train:
                     loss.backward()
-                    step_loss += loss.detach()
+                batch_loss += loss.detach()
+            return batch_loss
 
-        grad_norm = clip_grad_norm_(parameters, max_norm, mesh["pp"].get_group() if dims.pp_enabled else None)
-        optimizers.step()
+    def global_loss(batch_loss: torch.Tensor) -> float:
+        if dims.pp_enabled:  # only the last stage has the loss
+            batch_loss = distributed.all_reduce_sum(batch_loss, mesh["pp"].get_group())
+        return distributed.all_reduce_sum(batch_loss, tokens_group).item()
+
+    for step in range(first_step, config.training.steps + 1):
+        profiler.step_begins(step)
+        lr = optimizers.set_lr(step)
+        micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        step_loss = forward_backward(micro_batches)
+
+        grad_norm = global_grad_norm(parameters, mesh["pp"].get_group() if dims.pp_enabled else None)
+        if nonfinite_guard.allows_update(grad_norm, step):
+            clip_grads_(parameters, max_norm, grad_norm)
+            optimizers.step()
         optimizers.zero_grad()
         precompute_float8_scales(model_parts, config.float8)
         train_state.step = step
@@ -197,15 +221,15 @@ def train(argv: list[str]) -> None:
             metrics.first_step_done(START_TIME)
         if step == first_step + 1:
             recompile_watch.warmed_up()
-        if step % config.metrics.log_freq == 0 or step == config.training.steps:
+        extra = {}
+        if validator.due(step, config.training.steps):
+            extra |= validator.evaluate(lambda batch: global_loss(forward_backward(batch, train=False)))
+            recompile_watch.warmed_up()  # evaluation compiles its own (no-grad) graphs once
+        if step % config.metrics.log_freq == 0 or step == config.training.steps or extra:
             recompile_watch.recompiles()
-            if dims.pp_enabled:  # only the last stage has the loss
-                step_loss = distributed.all_reduce_sum(step_loss, mesh["pp"].get_group())
-            loss_value = distributed.all_reduce_sum(step_loss, tokens_group).item()
-            extra = {}
             if config.metrics.log_sample_ids:
                 extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-            metrics.log(step, loss_value, grad_norm.item(), lr, extra)
+            metrics.log(step, global_loss(step_loss), grad_norm.item(), lr, extra)
 
         if preemption is not None and preemption.requested():
             path = checkpointer.save(step, blocking=True)
@@ -233,6 +257,9 @@ def main() -> int:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except torch.OutOfMemoryError:
         profiling.save_after_oom()
         raise

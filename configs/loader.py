@@ -203,6 +203,7 @@ def check_values(config: JobConfig) -> None:
         ("training.seq_len", t.seq_len >= 1, "must be >= 1"),
         ("training.steps", t.steps >= 1, "must be >= 1"),
         ("training.max_norm", t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
+        ("training.max_skipped_steps", t.max_skipped_steps >= 0, "must be >= 0"),
         ("optimizer.lr", o.lr > 0 and math.isfinite(o.lr), "must be a positive number"),
         ("optimizer.beta1", 0 <= o.beta1 < 1, "must be in [0, 1)"),
         ("optimizer.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)"),
@@ -214,6 +215,8 @@ def check_values(config: JobConfig) -> None:
         ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
         ("checkpoint.interval", config.checkpoint.interval >= 1, "must be >= 1"),
         ("profiling.start_step", config.profiling.start_step >= 1, "must be >= 1"),
+        ("validation.freq", config.validation.freq >= 1, "must be >= 1"),
+        ("validation.steps", config.validation.steps >= 1, "must be >= 1"),
         ("profiling.steps", config.profiling.steps >= 1, "must be >= 1"),
         (
             "activation_checkpoint.selective_ac_option",
@@ -252,6 +255,7 @@ def check_values(config: JobConfig) -> None:
         ),
         ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
         ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
+        ("job.dry_run_world_size", config.job.dry_run_world_size >= 0, "must be >= 0 (0 = as launched)"),
         (
             "training.dataset_path",
             t.dataset == "python_docs" or t.dataset_path != "",

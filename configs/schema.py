@@ -21,6 +21,13 @@ class Job:
     """Seed for weight init and any other randomness. The same seed gives the same weights on every
     parallel layout (each parameter is drawn from its own seed derived from this and its name)."""
 
+    dry_run: bool = False
+    """Check the config and print the mesh, rank 0's parameters and the estimated memory per rank
+    for dry_run_world_size ranks, then stop (one process, nothing trained or written)."""
+
+    dry_run_world_size: int = 0
+    """The world size a dry run checks; 0 = the processes launched."""
+
 
 @dataclass
 class Model:
@@ -85,6 +92,14 @@ class Training:
 
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """auto: CUDA when available, else CPU."""
+
+    nonfinite_policy: Literal["stop", "skip", "off"] = "stop"
+    """A step whose loss or gradient norm is NaN/Inf: stop training before the optimizer update
+    (error naming the step), skip its update (up to max_skipped_steps), or off (no check; saves one
+    host-device synchronization per step)."""
+
+    max_skipped_steps: int = 5
+    """With nonfinite_policy = skip: stop once more steps than this were skipped."""
 
 
 @dataclass
@@ -238,6 +253,26 @@ class Profiling:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Compute the loss (and perplexity) on held-out data every freq steps, logged as val_loss and
+    val_perplexity in metrics.jsonl and TensorBoard."""
+
+    freq: int = 500
+    """Validate every this many steps (and at the last step)."""
+
+    steps: int = 10
+    """Global batches per validation: the same first ones of the validation data every time."""
+
+    dataset: Literal["python_docs", "text", "tokens", "hf"] = "text"
+    """Validation data source, as training.dataset (python_docs is for tests only: it is the
+    training sample itself)."""
+
+    dataset_path: str = ""
+    """Where the validation data is (as training.dataset_path)."""
+
+
+@dataclass
 class Checkpoint:
     enable: bool = False
     """Save checkpoints, and resume from the latest one when the same command runs again."""
@@ -306,4 +341,5 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
+    validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)

@@ -194,16 +194,19 @@ class Pipeline:
             else {}
         )
 
-    def step(self, micro_batches: list[dict]) -> torch.Tensor:
-        """Forward and backward of all micro-batches; the summed loss on the last stage, else 0."""
+    def step(self, micro_batches: list[dict], train: bool = True) -> torch.Tensor:
+        """Forward (and with train, backward) of all micro-batches; the summed loss on the last
+        stage, else 0."""
         inputs = torch.cat([b["input"] for b in micro_batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
         losses: list[torch.Tensor] = []
         target = {"target": labels, "losses": losses} if self.has_last else {}
+        run = self.schedule.step if train else self.schedule.eval
+        options = self.step_options if train else {}
         if self.has_first:
-            self.schedule.step(inputs, **target, **self.step_options)
+            run(inputs, **target, **options)
         else:
-            self.schedule.step(**target, **self.step_options)
+            run(**target, **options)
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=self.device)

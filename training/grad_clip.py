@@ -1,4 +1,4 @@
-"""Gradient-norm clipping on the global norm, whatever the parameters are sharded over."""
+"""The global gradient norm, whatever the parameters are sharded over, and clipping to it."""
 
 import torch
 import torch.distributed as dist
@@ -6,10 +6,10 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+def global_grad_norm(
+    parameters: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Clip gradients to max_norm (inf: only measure) and return the global L2 norm before clipping.
+    """The L2 norm of all gradients of the model, on every rank.
 
     pp_group: with pipeline parallelism each stage holds some parameters; their norms are combined.
     """
@@ -21,6 +21,11 @@ def clip_grad_norm_(
         squared = total**2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
-    if max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
+
+
+@torch.no_grad()
+def clip_grads_(parameters: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients so that their global norm is at most max_norm (inf: leave them)."""
+    if max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)

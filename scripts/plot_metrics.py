@@ -1,0 +1,76 @@
+"""Plot metrics.jsonl files (or run folders) to a PNG: loss, validation loss, grad norm, lr,
+throughput and memory against the step, one line per run.
+
+    python scripts/plot_metrics.py outputs/bf16 outputs/float8 --output compare.png
+    python scripts/plot_metrics.py outputs/run/metrics.jsonl --keys loss,tps
+
+A resumed run's repeated steps keep their last record. Needs matplotlib.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+PANELS = ["loss", "val_loss", "grad_norm", "lr", "tps", "memory_gib"]
+
+
+def read(path: Path) -> dict[int, dict]:
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    records = {}
+    for line in file.read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record  # later lines (after a resume) win
+    return dict(sorted(records.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", help="metrics.jsonl files or run folders")
+    parser.add_argument("--output", default="metrics.png")
+    parser.add_argument("--keys", default=",".join(PANELS), help="comma-separated metrics to plot")
+    args = parser.parse_args()
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("error: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    runs = {}
+    for run in args.runs:
+        path = Path(run)
+        if not (path / "metrics.jsonl").is_file() and not path.is_file():
+            print(f"error: no metrics.jsonl at '{run}'", file=sys.stderr)
+            return 2
+        runs[str(path.parent if path.is_file() else path)] = read(path)
+    keys = [k for k in args.keys.split(",") if any(k in r for run in runs.values() for r in run.values())]
+    if not keys:
+        print(f"error: none of {args.keys} is in the metrics", file=sys.stderr)
+        return 2
+    columns = min(3, len(keys))
+    rows = math.ceil(len(keys) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False)
+    for axis, key in zip(axes.flat, keys):
+        for name, records in runs.items():
+            points = [(step, r[key]) for step, r in records.items() if r.get(key) is not None]
+            if points:
+                axis.plot(*zip(*points), label=name)
+        axis.set_title(key)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    for axis in list(axes.flat)[len(keys) :]:
+        axis.set_visible(False)
+    axes.flat[0].legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(args.output, dpi=100)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

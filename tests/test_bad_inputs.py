@@ -1,0 +1,156 @@
+"""The catalog of user mistakes: each stops train.py with one `error:` line naming the cause, exit
+code 2, no traceback, and nothing deleted, changed or half-written.
+
+Most cases run in one process through tests/catalog_runner.py (train.main() per command line, the
+imports paid once); the ones that need several ranks run under torchrun.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, run_train
+
+BASE = [*TINY, "--training.steps", "2"]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def run_catalog(cases: list[list[str]], folder: Path) -> list[dict]:
+    (folder / "cases.json").write_text(json.dumps(cases))
+    command = [sys.executable, str(REPO / "tests/catalog_runner.py"), str(folder / "cases.json"),
+               str(folder / "results.json")]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    subprocess.run(command, check=True, capture_output=True, env={**env, "OMP_NUM_THREADS": "1"})
+    return json.loads((folder / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Bad inputs on disk, and a real checkpoint to damage."""
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "bad.toml").write_text("[training\nsteps = 3\n")
+    (root / "typo.toml").write_text("[trainig]\nsteps = 3\n")
+    (root / "empty").mkdir()
+    (root / "empty" / "nothing.jsonl").write_text("")
+    (root / "field").mkdir()
+    (root / "field" / "docs.jsonl").write_text(json.dumps({"content": "text under another name"}) + "\n")
+    (root / "no_tokenizer").mkdir()
+    (root / "no_meta").mkdir()
+    (root / "a_file").write_text("not a folder")
+    subprocess.run([sys.executable, str(REPO / "scripts/prepare_data.py"), "--dataset", "python_docs",
+                    "--output", str(root / "shards")], check=True, capture_output=True)  # fmt: skip
+    shard = root / "shards" / "tokens-00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    run_train(
+        [*BASE, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(root / "run")]
+    )
+    for name in ("corrupt", "foreign"):
+        shutil.copytree(root / "run" / "checkpoint" / "step-2", root / name / "checkpoint" / "step-2")
+    data = next((root / "corrupt" / "checkpoint" / "step-2").glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    return {"root": root}
+
+
+def cases(root: Path) -> list[tuple[str, list[str], str]]:
+    """(name, command line, what the error line must say)."""
+    return [
+        ("section typo", ["--trainig.steps", "3"], "unknown option '--trainig.steps' (did you mean 'training.steps'?)"),
+        ("key typo", ["--training.stepz", "3"], "unknown key 'training.stepz' (did you mean 'training.steps'?)"),
+        ("not an integer", ["--training.steps", "ten"], "training.steps must be an integer, got 'ten'"),
+        ("not a boolean", ["--metrics.enable_tensorboard", "maybe"], "must be true or false"),
+        ("not a number", ["--optimizer.lr", "fast"], "optimizer.lr must be a number"),
+        ("unknown choice", ["--training.device", "gpu"], "training.device must be one of 'auto', 'cuda', 'cpu'"),
+        ("choice typo", ["--lr_scheduler.decay_type", "cosin"], "(did you mean 'cosine'?)"),
+        ("zero steps", ["--training.steps", "0"], "training.steps must be >= 1 (got 0)"),
+        ("negative batch", ["--training.local_batch_size=-4"], "training.local_batch_size must be >= 1"),
+        ("zero seq_len", ["--training.seq_len", "0"], "training.seq_len must be >= 1"),
+        ("negative lr", ["--optimizer.lr=-0.1"], "optimizer.lr must be a positive number"),
+        ("decay ratio", ["--lr_scheduler.decay_ratio", "0"], "lr_scheduler.decay_ratio must be in (0, 1]"),
+        ("batch split", ["--training.global_batch_size", "6"], "must be a multiple of local_batch_size"),
+        ("missing config", ["--config", str(root / "missing.toml")], "does not exist"),
+        ("broken toml", ["--config", str(root / "bad.toml")], "is not valid TOML"),
+        ("toml section typo", ["--config", str(root / "typo.toml")], "unknown section [trainig]"),
+        ("model typo", ["--model.name", "lama3"], "model.name 'lama3' is not registered"),
+        ("flavor", ["--model.flavor", "9B"], "model.flavor '9B' is not a llama3 flavor"),
+        ("model args", ["--model.args", "n_layer=2"], "(did you mean 'n_layers'?)"),
+        ("degrees vs world", ["--parallelism.tensor_parallel_degree", "2"], "world size 1 is not divisible"),
+        ("degrees product", ["--parallelism.data_parallel_shard_degree", "2"], "parallelism degrees multiply to"),
+        ("zero degree", ["--parallelism.context_parallel_degree", "0"], "context_parallel_degree must be >= 1"),
+        ("ac option", ["--activation_checkpoint.selective_ac_option", "x"], 'must be "op" or a positive'),
+        ("exclude", ["--checkpoint.exclude_from_loading", "weights"], "may only name model, optimizer"),
+        ("keep k", ["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k must be >= 0"),
+        ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
+                           "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),
+        ("no data path", ["--training.dataset", "text"], "training.dataset_path is required"),
+        ("missing data", ["--training.dataset", "text", "--training.dataset_path", str(root / "nowhere/*.jsonl")],
+         "names no .txt, .jsonl or .parquet files"),
+        ("empty data", ["--training.dataset", "text", "--training.dataset_path", str(root / "empty")],
+         "the dataset has no documents"),
+        ("text field", ["--training.dataset", "text", "--training.dataset_path", str(root / "field")],
+         "has no field 'text'"),
+        ("tokenizer folder", ["--model.hf_assets_path", str(root / "missing_tokenizer")], "is not a folder"),
+        ("no tokenizer.json", ["--model.hf_assets_path", str(root / "no_tokenizer")], "no tokenizer.json"),
+        ("shards without meta", ["--training.dataset", "tokens", "--training.dataset_path", str(root / "no_meta")],
+         "has no meta.json"),
+        ("truncated shard", ["--training.dataset", "tokens", "--training.dataset_path", str(root / "shards")],
+         "is missing or truncated"),
+        ("unwritable dump folder", ["--job.dump_folder", str(root / "a_file" / "run")], "cannot be written"),
+        ("validation data", ["--validation.enable", "--validation.dataset", "text"],
+         "validation.dataset_path is required"),
+        ("initial weights", ["--checkpoint.initial_load_path", str(root / "missing_weights")], "does not exist"),
+        ("load step", ["--checkpoint.enable", "--checkpoint.load_step", "7"], "no checkpoints in"),
+        ("truncated checkpoint", ["--checkpoint.enable", "--job.dump_folder", str(root / "corrupt")],
+         "could not be read"),
+        ("another model's checkpoint", ["--checkpoint.enable", "--model.flavor", "debugmodel",
+                                        "--job.dump_folder", str(root / "foreign")], "holds a different model"),
+    ]  # fmt: skip
+
+
+def test_each_mistake_gives_one_clear_error_and_harms_nothing(files, tmp_path):
+    root = files["root"]
+    catalog = cases(root)
+    assert len(catalog) >= 30
+    before = snapshot(root)
+    argvs = []
+    for index, (_, argv, _) in enumerate(catalog):
+        dump = [] if "--job.dump_folder" in argv else ["--job.dump_folder", str(tmp_path / f"case{index}")]
+        argvs.append([*BASE, *dump, *argv])
+    results = run_catalog(argvs, tmp_path)
+    problems = []
+    for (name, _, expected), result in zip(catalog, results):
+        errors = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+        if (
+            result["code"] != 2
+            or len(errors) != 1
+            or expected not in errors[0]
+            or "Traceback" in result["stderr"]
+        ):
+            problems.append(f"{name}: code {result['code']}, stderr: {result['stderr'][-600:]}")
+    assert not problems, "\n".join(problems)
+    after = snapshot(root)
+    assert {k: v for k, v in after.items() if k in before} == before  # nothing changed or deleted
+    assert not [p for p in tmp_path.rglob("*.partial")] and not [p for p in root.rglob("*.partial")]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+         "training.seq_len (30) must divide into 2 x context_parallel_degree = 4 chunks"),
+        (["--parallelism.tensor_parallel_degree", "2", "--model.args", "n_heads=6,n_kv_heads=3"],
+         "tensor_parallel_degree 2 does not divide model n_kv_heads (3)"),
+    ],
+)  # fmt: skip
+def test_layout_mistakes_on_several_ranks(overrides, expected, tmp_path):
+    result = run_train([*BASE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=2, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and expected in errors[0], result.stderr[-2000:]

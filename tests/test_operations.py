@@ -1,0 +1,112 @@
+"""Running real jobs: the non-finite guard, validation, profiling, launchers, plots, dry runs."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, TINY, read_metrics, run_train
+
+from training.nonfinite import NonFiniteError, NonFiniteGuard
+
+# lr 1e30 wrecks the weights at step 1, so from step 2 on the loss and the gradients are not finite.
+EXPLODE = [*TINY, "--training.steps", "6", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+
+
+def test_nonfinite_step_stops_before_the_update(tmp_path):
+    result = run_train([*EXPLODE, "--job.dump_folder", str(tmp_path)], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and len(errors) == 1
+    assert errors[0].startswith("error: step 2: the loss or the gradients are not finite")
+    assert "stopped before the optimizer update" in errors[0]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+
+
+def test_nonfinite_steps_skipped_up_to_a_limit(tmp_path):
+    skip = ["--training.nonfinite_policy", "skip", "--training.max_skipped_steps", "2"]
+    result = run_train([*EXPLODE, *skip, "--job.dump_folder", str(tmp_path)], check=False)
+    assert result.returncode == 1
+    assert result.stdout.count("update skipped") == 2
+    assert "error: step 4: the loss or the gradients are not finite" in result.stderr
+    assert "3 steps skipped, more than training.max_skipped_steps" in result.stderr
+
+
+def test_guard_off_never_reads_the_norm():
+    class Untouchable(torch.Tensor):
+        def __bool__(self):
+            raise AssertionError("read on the host")
+
+    norm = torch.tensor(float("nan")).as_subclass(Untouchable)
+    assert NonFiniteGuard("off", 0).allows_update(norm, 3)
+    with pytest.raises(NonFiniteError, match="step 3"):
+        NonFiniteGuard("stop", 0).allows_update(torch.tensor(float("inf")), 3)
+
+
+VALIDATE = [*TINY, "--training.steps", "4", "--training.global_batch_size", "8", "--validation.enable",
+            "--validation.freq", "2", "--validation.steps", "2", "--validation.dataset", "python_docs"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [(2, ["--training.local_batch_size", "4"]),
+     (2, ["--training.local_batch_size", "8", "--parallelism.pipeline_parallel_degree", "2"]),
+     (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"])],
+    ids=["fsdp2", "pp2", "cp2"],
+)  # fmt: skip
+def test_validation_loss_is_the_same_on_every_layout(nproc, overrides, tmp_path):
+    single, other = tmp_path / "single", tmp_path / "other"
+    run_train([*VALIDATE, "--training.local_batch_size", "8", "--job.dump_folder", str(single)])
+    run_train([*VALIDATE, *overrides, "--job.dump_folder", str(other)], nproc=nproc)
+    want = {r["step"]: r for r in read_metrics(single) if "val_loss" in r}
+    got = {r["step"]: r for r in read_metrics(other) if "val_loss" in r}
+    assert sorted(want) == sorted(got) == [2, 4]
+    for step in want:
+        assert got[step]["val_loss"] == pytest.approx(want[step]["val_loss"], rel=1e-5)
+        assert got[step]["val_perplexity"] == pytest.approx(math.exp(want[step]["val_loss"]), rel=1e-4)
+    assert want[4]["val_loss"] < want[2]["val_loss"]
+
+
+def test_profiler_traces_chosen_steps(tmp_path):
+    profile = ["--profiling.enable", "--profiling.start_step", "3", "--profiling.steps", "2"]
+    run_train([*TINY, *profile, "--job.dump_folder", str(tmp_path)])
+    files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert files == ["rank0_step3-4.json.gz", "rank0_step3-4.txt"]
+    assert "aten::mm" in (tmp_path / "profiles" / "rank0_step3-4.txt").read_text()
+
+
+def test_plot_metrics_draws_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name in ("a", "b"):
+        run_train([*TINY, "--job.dump_folder", str(tmp_path / name)])
+    output = tmp_path / "curves.png"
+    subprocess.run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(tmp_path / "a/metrics.jsonl"),
+                    str(tmp_path / "b"), "--output", str(output)], check=True)  # fmt: skip
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 10_000
+
+
+def test_multinode_launcher_runs_one_node(tmp_path):
+    env = dict(os.environ, NNODES="1", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517",
+               OMP_NUM_THREADS="1")  # fmt: skip
+    args = [*TINY, "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path)]
+    result = subprocess.run(["bash", str(REPO / "scripts/multinode.sh"), "--config", str(REPO / "configs/llama3_debug.toml"), *args],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert len(read_metrics(tmp_path)) == 6
+
+
+def test_slurm_script_is_valid_bash_and_passes_overrides():
+    script = (REPO / "scripts/slurm.sbatch").read_text()
+    assert subprocess.run(["bash", "-n", str(REPO / "scripts/slurm.sbatch")]).returncode == 0
+    assert "#SBATCH --signal=USR1@" in script and '"$@"' in script and "--rdzv-backend c10d" in script
+
+
+def test_dry_run_prints_the_layout_without_training(tmp_path):
+    result = run_train(["--config", str(REPO / "configs/llama3_8b.toml"), "--job.dry_run",
+                        "--job.dry_run_world_size", "16", "--parallelism.tensor_parallel_degree", "2",
+                        "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])  # fmt: skip
+    out = result.stdout
+    assert "world 16 = pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2" in out
+    assert "parameters on rank 0:" in out and "estimated memory per rank" in out
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -1,0 +1,70 @@
+"""--job.dry_run: check a config for a target world size and show its layout, without training.
+
+Runs in one process with a fake process group standing for rank 0 of the target world
+(job.dry_run_world_size), builds the model on the meta device and applies every parallelism to
+it, so the same checks run as in a real launch; then prints the mesh, this rank's parameters and
+the estimated memory per rank (training/memory_estimate.py).
+"""
+
+import logging
+
+import torch.distributed as dist
+
+from configs.schema import JobConfig
+from data.loader import plan_batches
+from data.tokenizer import build_tokenizer
+from models import check_flavor, get_model_spec
+from models.spec import model_args
+from parallelisms import ParallelDims, parallelize
+from parallelisms.pipeline import check_schedule, split_model
+from training import distributed, memory_estimate
+
+logger = logging.getLogger("train")
+
+
+def dry_run(config: JobConfig) -> None:
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
+
+    world = config.job.dry_run_world_size or distributed.world_size()
+    dims = ParallelDims.from_config(config.parallelism, world)
+    dist.init_process_group("fake", store=torch.testing._internal.distributed.fake_pg.FakeStore(), rank=0,
+                            world_size=world)  # fmt: skip
+    mesh = dims.build_mesh("cpu")
+    spec = get_model_spec(config.model.name)
+    check_flavor(spec, config.model.flavor)
+    tokenizer = build_tokenizer(config.model.hf_assets_path)
+    args = model_args(
+        spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
+    )
+    dims.check_sequence_split(config.training.seq_len)
+    if dims.tp_enabled:
+        dims.check_divisibility(spec.tensor_parallel_sizes(args))
+    global_batch, accumulation = plan_batches(config.training, dims.dp)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    total = sum(p.numel() for p in model.parameters())
+    parts = [model]
+    if dims.pp_enabled:
+        check_schedule(config.parallelism, dims.fsdp_enabled)
+        parts, indices, num_stages = split_model(
+            model, spec.pipeline_split(args), config.parallelism, mesh["pp"]
+        )
+    for part in parts:
+        parallelize(part, spec, dims, mesh, config, torch.device("cpu"))
+    tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
+    in_flight = dims.pp if dims.pp_enabled else 1
+    estimate = memory_estimate.estimate(parts, args, tokens, dims.tp, dims.fsdp_enabled,
+                                        config.activation_checkpoint.mode, in_flight)  # fmt: skip
+    logger.info(f"dry run of {spec.name} {config.model.flavor} ({total:,} parameters): {dims.describe()}")
+    logger.info(f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
+    logger.info(
+        f"global batch {global_batch} = {config.training.local_batch_size} per micro-batch x {dims.dp} "
+        f"data-parallel x {accumulation} accumulation"
+    )
+    stages = f" (pipeline stages {indices} of {num_stages})" if dims.pp_enabled else ""
+    logger.info(f"parameters on rank 0: {estimate.parameters:,}{stages}")
+    logger.info(
+        f"estimated memory per rank: {estimate.total_gib:.1f} GiB = weights {estimate.weights_gib:.1f} + "
+        f"gradients {estimate.gradients_gib:.1f} + AdamW {estimate.optimizer_gib:.1f} + gathered "
+        f"{estimate.gathered_gib:.1f} + activations ~{estimate.activations_gib:.1f}"
+    )
