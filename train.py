@@ -55,7 +55,8 @@ def train(argv: list[str]) -> None:
     config = load_config(argv)
     distributed.setup_logging()
     if config.job.dry_run:
-        return dry_run(config)
+        dry_run(config)
+        return
     device = distributed.select_device(config.training.device)
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     distributed.init_process_group(device)

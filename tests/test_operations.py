@@ -110,3 +110,16 @@ def test_dry_run_prints_the_layout_without_training(tmp_path):
     assert "world 16 = pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2" in out
     assert "parameters on rank 0:" in out and "estimated memory per rank" in out
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_estimate_memory_counts_each_ranks_shards():
+    command = [sys.executable, str(REPO / "scripts/estimate_memory.py"), "--world-size", "64", "--",
+               "--config", str(REPO / "configs/llama3_70b.toml"), "--parallelism.tensor_parallel_degree", "8"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    estimate = __import__("json").loads(result.stdout.strip().splitlines()[-1])
+    # FSDP 8 x TP 8 splits every matrix 64 ways; norm weights are replicated over TP (8 ways).
+    norms = (80 * 2 + 1) * 8192
+    assert estimate["parameters"] == (70_553_706_496 - norms) // 64 + norms // 8
+    assert estimate["weights_gib"] == pytest.approx(4 * estimate["parameters"] / 2**30, abs=0.01)
+    assert estimate["optimizer_gib"] == pytest.approx(2 * estimate["weights_gib"], abs=0.02)
+    assert 0 < estimate["activations_gib"] < estimate["total_gib"]

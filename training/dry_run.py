@@ -22,7 +22,7 @@ from training import distributed, memory_estimate
 logger = logging.getLogger("train")
 
 
-def dry_run(config: JobConfig) -> None:
+def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 
     world = config.job.dry_run_world_size or distributed.world_size()
@@ -68,3 +68,5 @@ def dry_run(config: JobConfig) -> None:
         f"gradients {estimate.gradients_gib:.1f} + AdamW {estimate.optimizer_gib:.1f} + gathered "
         f"{estimate.gathered_gib:.1f} + activations ~{estimate.activations_gib:.1f}"
     )
+    dist.destroy_process_group()
+    return estimate
