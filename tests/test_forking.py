@@ -1,7 +1,6 @@
 """docs/forking.md, followed literally: copy the Llama folder, change RMSNorm to LayerNorm, register
 the copy with one line, and train it under FSDP 2 and TP 2 (the two must agree)."""
 
-import re
 import shutil
 
 import pytest
@@ -32,6 +31,7 @@ def test_forked_model_trains_under_fsdp_and_tp(tmp_path):
     repo = fork(tmp_path)
     assert "LayerNorm" in (repo / "models/mymodel/model.py").read_text()
     args = [*TINY, "--model.name", "mymodel", "--training.steps", "8", "--training.global_batch_size", "8"]
+    args += ["--optimizer.lr", "1e-2"]  # high enough that 8 steps visibly learn
     fsdp2 = ["--training.local_batch_size", "4", "--job.dump_folder", str(tmp_path / "fsdp2")]
     fsdp = run_train([*args, *fsdp2], nproc=2, repo=repo, cwd=repo)
     tp2 = ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]
@@ -59,5 +59,5 @@ def test_guide_commands_match_the_steps():
     """The copy and registration lines quoted in docs/forking.md are the ones this test performs."""
     guide = (REPO / "docs/forking.md").read_text()
     assert "cp -r models/llama3 models/mymodel" in guide
-    assert re.search(r"sed -i 's/models\\\\\.llama3/models\.mymodel/g' models/mymodel/\*\.py", guide)
+    assert "sed -i 's/models\\.llama3/models.mymodel/g' models/mymodel/*.py" in guide
     assert '"mymodel": "models.mymodel",' in guide
