@@ -35,6 +35,26 @@ def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
     return loss_parallel() if enabled else contextlib.nullcontext()
 
 
+class FreshLocalOutput(ParallelStyle):
+    """A style whose local-tensor output is copied into a tensor of its own.
+
+    A style with use_local_output returns a view of its DTensor's local shard. When that view is
+    the input of a compiled region (the first compiled block, or the compiled loss), torch 2.13's
+    AOT autograd routes its gradient past the view into DTensor's redistribute as a plain tensor,
+    and the backward fails (`'Tensor' object has no attribute '_local_tensor'`). The copy, one
+    activation of the embedding or the logits per step, keeps the two apart.
+    """
+
+    def __init__(self, style: ParallelStyle):
+        super().__init__()
+        self.style = style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_hook(lambda _module, _inputs, output: output.clone())
+        return module
+
+
 # Megatron-style plans with sequence parallelism for the common decoder layout (tok_embeddings,
 # layers.N with attention_norm / attention.wq..wo / ffn_norm / feed_forward.w1..w3, norm, output),
 # which a model's parallelize.py applies and extends. Between blocks the residual stream is
@@ -45,14 +65,17 @@ def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
 
 
 def decoder_root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
+    output = ColwiseParallel(
+        input_layouts=Shard(1),
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
     return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
-            input_layouts=Shard(1),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
+        "tok_embeddings": FreshLocalOutput(
+            RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
         ),
+        "norm": SequenceParallel(),
+        "output": output if loss_parallel else FreshLocalOutput(output),
     }
 
 

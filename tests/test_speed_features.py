@@ -57,12 +57,24 @@ def assert_same_losses(records: list[dict], reference: list[dict], rel: float) -
 @pytest.mark.parametrize(
     "nproc, overrides",
     [
-        (None, [*SINGLE]),
         (2, ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "full"]),  # FSDP 2 + AC
+        (2, [*SINGLE, "--parallelism.tensor_parallel_degree", "2"]),  # loss parallel: eager loss
+        # FSDP 2 x TP 2 with the compiled loss on replicated logits
+        (
+            4,
+            [
+                "--training.local_batch_size",
+                "4",
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--parallelism.enable_loss_parallel",
+                "false",
+            ],
+        ),
         (2, [*SINGLE, "--parallelism.pipeline_parallel_degree", "2"]),
         (2, [*SINGLE, "--parallelism.context_parallel_degree", "2"]),  # graph breaks at the all-gather
     ],
-    ids=["single", "fsdp2-ac", "pp2", "cp2"],
+    ids=["fsdp2-ac", "tp2", "fsdp2-tp2-no-loss-parallel", "pp2", "cp2"],
 )
 def test_compile_matches_eager_without_recompiles(nproc, overrides, eager, tmp_path):
     result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
