@@ -33,7 +33,7 @@ from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.compile import RecompileWatch
 from parallelisms.context_parallel import local_positions, shard_sequences
-from parallelisms.float8 import check_float8, precompute_float8_scales
+from parallelisms.float8 import precompute_float8_scales
 from parallelisms.fsdp import set_gradient_sync
 from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
@@ -81,7 +81,6 @@ def train(argv: list[str]) -> None:
         spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
     )
     dims.check_sequence_split(config.training.seq_len)
-    check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     if dims.tp_enabled:
         dims.check_divisibility(spec.tensor_parallel_sizes(args))
     with torch.device("meta"):

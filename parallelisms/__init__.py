@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from configs.schema import JobConfig
 from models.spec import ModelSpec
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
-from parallelisms.compile import apply_compile
+from parallelisms.compile import apply_compile, check_compile
 from parallelisms.context_parallel import apply_context_parallel
-from parallelisms.float8 import apply_float8
+from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import ParallelDims
 from parallelisms.tensor_parallel import apply_tensor_parallel
@@ -45,6 +45,8 @@ def parallelize(
     6. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
        context-parallel) ranks, 2-D DTensors when tensor parallel came first
     """
+    check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
+    check_compile(config, dims.tp_enabled)
     if config.float8.enable:
         apply_float8(model, config.float8)
     if dims.tp_enabled:
