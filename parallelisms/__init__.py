@@ -12,7 +12,6 @@ fsdp.py              FSDP2 / HSDP
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from configs.schema import JobConfig
 from models.spec import ModelSpec
@@ -21,7 +20,7 @@ from parallelisms.compile import apply_compile, check_compile
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp import apply_fsdp
-from parallelisms.parallel_dims import ParallelDims
+from parallelisms.parallel_dims import Meshes, ParallelDims
 from parallelisms.tensor_parallel import apply_tensor_parallel
 
 
@@ -29,7 +28,7 @@ def parallelize(
     model: nn.Module,
     spec: ModelSpec,
     dims: ParallelDims,
-    mesh: DeviceMesh,
+    mesh: Meshes,
     config: JobConfig,
     device: torch.device,
 ) -> None:
@@ -61,7 +60,7 @@ def parallelize(
         bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
         apply_fsdp(
             model,
-            dims.fsdp_mesh(mesh),
+            mesh["fsdp"],
             param_dtype=torch.bfloat16 if bf16 else torch.float32,
             reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,

@@ -1,10 +1,11 @@
 """The parallel layout: degrees from [parallelism], their checks, and the one device mesh.
 
 Mesh dimensions, outermost first: pp (pipeline stages), dp_replicate (HSDP replicas), dp_shard
-(FSDP), cp (context: parts of each sequence), tp. Flattened groups:
-  dp           dp_replicate x dp_shard: which samples a rank reads (pp, cp and tp ranks share them)
-  dp_shard_cp  dp_shard x cp: FSDP shards over it (cp ranks hold the same weights, other tokens)
-  dp_cp        dp_replicate x dp_shard x cp: every rank holding different tokens (loss, counts)
+(FSDP), cp (context: parts of each sequence), tp. Groups across several of them:
+  dp     dp_replicate x dp_shard: which samples a rank reads (pp, cp and tp ranks share them)
+  dp_cp  dp_replicate x dp_shard x cp: every rank holding different tokens (loss, counts)
+  fsdp   what FSDP shards over: dp_shard x cp (cp ranks hold the same weights, other tokens);
+         for HSDP the 2-D (dp_replicate, dp_shard_cp)
 """
 
 from dataclasses import dataclass
@@ -13,6 +14,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from configs import ConfigError
 from configs.schema import Parallelism
+
+
+class Meshes:
+    """The run's device mesh by name: a layout dimension, or one of the groups above.
+
+    torch wants flattened meshes kept by whoever made them rather than sliced from the root mesh
+    again (deprecated since 2.11), so they are made once, in build_mesh, and kept here.
+    """
+
+    def __init__(self, layout: DeviceMesh, groups: dict[str, DeviceMesh]):
+        self.layout = layout
+        self.groups = groups
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.groups[name] if name in self.groups else self.layout[name]
+
+    def shape(self) -> dict[str, int]:
+        return dict(zip(self.layout.mesh_dim_names, self.layout.shape))
 
 
 @dataclass(frozen=True)
@@ -72,18 +91,17 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> Meshes:
         names = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
         shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
-
-    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """HSDP shards over dp_shard x cp and replicates over dp_replicate (2-D mesh); FSDP is 1-D."""
-        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
+        layout = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        dp_cp = layout["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        fsdp = layout["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.dp_replicate > 1:  # HSDP: replicas outermost, each sharding over dp_shard x cp
+            sizes = (self.dp_replicate, self.dp_shard * self.cp)
+            fsdp = dp_cp._unflatten(0, sizes, ("hsdp_replicate", "hsdp_shard"))
+        dp = layout["dp_replicate", "dp_shard"]._flatten("dp")
+        return Meshes(layout, {"dp": dp, "dp_cp": dp_cp, "fsdp": fsdp})
 
     def check_sequence_split(self, seq_len: int) -> None:
         if self.cp_enabled and seq_len % (2 * self.cp):

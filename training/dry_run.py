@@ -56,7 +56,7 @@ def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
     estimate = memory_estimate.estimate(parts, args, tokens, dims.tp, dims.fsdp_enabled,
                                         config.activation_checkpoint.mode, in_flight)  # fmt: skip
     logger.info(f"dry run of {spec.name} {config.model.flavor} ({total:,} parameters): {dims.describe()}")
-    logger.info(f"mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
+    logger.info(f"mesh {mesh.shape()}")
     logger.info(
         f"global batch {global_batch} = {config.training.local_batch_size} per micro-batch x {dims.dp} "
         f"data-parallel x {accumulation} accumulation"
