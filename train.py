@@ -126,7 +126,9 @@ def train(argv: list[str]) -> None:
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
     global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
-    loss_fn = TokenNormalizedLoss(compile=config.compile.enable and not use_loss_parallel)
+    # Compiled only on whole local logits: not on vocabulary shards (loss parallel) nor on TP's
+    # replicated logits (see FreshLocalOutput in parallelisms/tensor_parallel.py).
+    loss_fn = TokenNormalizedLoss(compile=config.compile.enable and not dims.tp_enabled)
     pipeline = None
     if dims.pp_enabled:
         schedule = config.parallelism.pipeline_parallel_schedule

@@ -197,8 +197,8 @@ class Parallelism:
 @dataclass
 class Compile:
     enable: bool = False
-    """torch.compile every transformer block (fullgraph unless context parallel) and the loss.
-    Costs compile time at the first step; no recompilation happens after step 2 (logged)."""
+    """torch.compile every transformer block (fullgraph unless context parallel) and the loss (not
+    under TP). Costs compile time at the first step; no recompilation happens after step 2 (logged)."""
 
 
 @dataclass

@@ -39,10 +39,12 @@ class FreshLocalOutput(ParallelStyle):
     """A style whose local-tensor output is copied into a tensor of its own.
 
     A style with use_local_output returns a view of its DTensor's local shard. When that view is
-    the input of a compiled region (the first compiled block, or the compiled loss), torch 2.13's
-    AOT autograd routes its gradient past the view into DTensor's redistribute as a plain tensor,
-    and the backward fails (`'Tensor' object has no attribute '_local_tensor'`). The copy, one
-    activation of the embedding or the logits per step, keeps the two apart.
+    the input of a compiled region (here: the embedding's output entering the first compiled
+    block), torch 2.13's AOT autograd routes its gradient past the view into DTensor's
+    redistribute as a plain tensor, and the backward fails (`'Tensor' object has no attribute
+    '_local_tensor'`). The copy, one sequence-sharded activation per step, keeps the two apart.
+    (The loss is therefore not compiled under TP: copying the replicated logits would cost more
+    memory than compiling it saves.)
     """
 
     def __init__(self, style: ParallelStyle):
@@ -65,17 +67,17 @@ class FreshLocalOutput(ParallelStyle):
 
 
 def decoder_root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
-    output = ColwiseParallel(
-        input_layouts=Shard(1),
-        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-        use_local_output=not loss_parallel,
-    )
     return {
+        # Its output enters the first (possibly compiled) block.
         "tok_embeddings": FreshLocalOutput(
             RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
         ),
         "norm": SequenceParallel(),
-        "output": output if loss_parallel else FreshLocalOutput(output),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
 
 

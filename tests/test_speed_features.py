@@ -61,9 +61,9 @@ PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context
 @pytest.mark.parametrize(
     "nproc, overrides",
     [
-        # FSDP 2 x TP 2 with the compiled loss on replicated logits
+        # FSDP 2 x TP 2 without loss parallel (replicated logits)
         (4, ["--training.local_batch_size", "4", *TP2, "--parallelism.enable_loss_parallel", "false"]),
-        (2, [*SINGLE, *TP2]),  # loss parallel: the loss stays eager
+        (2, [*SINGLE, *TP2]),  # with loss parallel
         # CP blocks break the graph at the all-gather
         (4, [*SINGLE, *PP2_CP2, "--activation_checkpoint.mode", "full"]),
     ],
