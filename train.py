@@ -27,21 +27,19 @@ from checkpoint.preemption import PreemptionWatcher
 from checkpoint.state import TrainState
 from configs import ConfigError, config_to_toml, load_config
 from data.loader import build_dataloader, plan_batches
-from data.tokenizer import build_tokenizer
-from models import check_flavor, get_model_spec
-from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.compile import RecompileWatch
 from parallelisms.context_parallel import local_positions, shard_sequences
 from parallelisms.float8 import precompute_float8_scales
 from parallelisms.fsdp import set_gradient_sync
-from parallelisms.pipeline import Pipeline, check_schedule, pipeline_microbatches, split_model
+from parallelisms.pipeline import Pipeline, pipeline_microbatches, split_model
 from parallelisms.tensor_parallel import loss_parallel_context
 from training import distributed, profiling
 from training.dry_run import dry_run
 from training.grad_clip import clip_grads_, global_grad_norm
 from training.loss import IGNORE_INDEX, TokenNormalizedLoss
 from training.metrics import MetricsLogger, peak_tflops
+from training.model_setup import resolve_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
 from training.optimizer import Optimizers
 from training.profiling import StepProfiler
@@ -74,15 +72,7 @@ def train(argv: list[str]) -> None:
         logger.info(config.job.description)
 
     # Model: built on the meta device (no memory), parallelized, then materialized and initialized.
-    spec = get_model_spec(config.model.name)
-    check_flavor(spec, config.model.flavor)
-    tokenizer = build_tokenizer(config.model.hf_assets_path)
-    args = model_args(
-        spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
-    )
-    dims.check_sequence_split(config.training.seq_len)
-    if dims.tp_enabled:
-        dims.check_divisibility(spec.tensor_parallel_sizes(args))
+    spec, tokenizer, args = resolve_model(config, dims)
     with torch.device("meta"):
         model = spec.model_cls(args)
         template = spec.model_cls(args)  # unsharded reference for layout-independent init
@@ -91,7 +81,6 @@ def train(argv: list[str]) -> None:
     # Pipeline parallelism first cuts the model into this rank's stages (keeping parameter names);
     # every part then goes through the same chain of parallelisms.
     if dims.pp_enabled:
-        check_schedule(config.parallelism, dims.fsdp_enabled)
         model_parts, stage_indices, num_stages = split_model(
             model, spec.pipeline_split(args), config.parallelism, mesh["pp"]
         )

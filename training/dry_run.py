@@ -12,12 +12,10 @@ import torch.distributed as dist
 
 from configs.schema import JobConfig
 from data.loader import plan_batches
-from data.tokenizer import build_tokenizer
-from models import check_flavor, get_model_spec
-from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
-from parallelisms.pipeline import check_schedule, split_model
+from parallelisms.pipeline import split_model
 from training import distributed, memory_estimate
+from training.model_setup import resolve_model
 
 logger = logging.getLogger("train")
 
@@ -30,22 +28,13 @@ def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
     dist.init_process_group("fake", store=torch.testing._internal.distributed.fake_pg.FakeStore(), rank=0,
                             world_size=world)  # fmt: skip
     mesh = dims.build_mesh("cpu")
-    spec = get_model_spec(config.model.name)
-    check_flavor(spec, config.model.flavor)
-    tokenizer = build_tokenizer(config.model.hf_assets_path)
-    args = model_args(
-        spec, config.model.flavor, config.training.seq_len, tokenizer.vocab_size, config.model.args
-    )
-    dims.check_sequence_split(config.training.seq_len)
-    if dims.tp_enabled:
-        dims.check_divisibility(spec.tensor_parallel_sizes(args))
+    spec, _, args = resolve_model(config, dims)
     global_batch, accumulation = plan_batches(config.training, dims.dp)
     with torch.device("meta"):
         model = spec.model_cls(args)
     total = sum(p.numel() for p in model.parameters())
     parts = [model]
     if dims.pp_enabled:
-        check_schedule(config.parallelism, dims.fsdp_enabled)
         parts, indices, num_stages = split_model(
             model, spec.pipeline_split(args), config.parallelism, mesh["pp"]
         )
