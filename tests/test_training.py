@@ -113,3 +113,6 @@ def test_readme_train_command(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5
     assert "step" in result.stdout and "tok/s" in result.stdout and "eta" in result.stdout
     assert block.splitlines()[1] == "python -m pytest -q tests"
+    # .ci/run runs both lines as written here.
+    ci_lines = (REPO / ".ci/run").read_text().splitlines()
+    assert block.splitlines()[0] in ci_lines and "python -m pytest -q tests" in ci_lines
