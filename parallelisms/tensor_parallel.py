@@ -81,6 +81,17 @@ def decoder_root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
+def decoder_tensor_parallel_sizes(args) -> dict[str, int]:
+    """Sizes the decoder plans split over tp, which the degree must divide (args with n_heads,
+    n_kv_heads, ffn_hidden_dim and vocab_size)."""
+    return {
+        "model n_heads": args.n_heads,
+        "model n_kv_heads": args.n_kv_heads,
+        "model ffn_hidden_dim": args.ffn_hidden_dim,
+        "the vocabulary size": args.vocab_size,
+    }
+
+
 def decoder_block_plan() -> dict[str, ParallelStyle]:
     return {
         "attention_norm": SequenceParallel(),

@@ -1,9 +1,10 @@
 """Llama 3 family: flavors with Meta's shapes, and the spec that registers them."""
 
 from models.llama3.model import Llama3Args, Transformer
-from models.llama3.parallelize import apply_tensor_parallel_plan, tensor_parallel_sizes
+from models.llama3.parallelize import apply_tensor_parallel_plan
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.spec import ModelSpec
+from parallelisms.tensor_parallel import decoder_tensor_parallel_sizes
 
 flavors = {
     # Tiny shapes for tests and laptops; vocab_size 0 = the tokenizer's (byte tokenizer: 258 -> 320).
@@ -54,6 +55,6 @@ spec = ModelSpec(
     flavors=flavors,
     state_dict_adapter=Llama3StateDictAdapter,
     parallelize_plan=apply_tensor_parallel_plan,
-    tensor_parallel_sizes=tensor_parallel_sizes,
+    tensor_parallel_sizes=decoder_tensor_parallel_sizes,
     pipeline_split=pipeline_split,
 )

@@ -1,9 +1,10 @@
 """Qwen3 dense family: flavors with the official shapes, and the spec that registers them."""
 
 from models.qwen3.model import Qwen3Args, Transformer
-from models.qwen3.parallelize import apply_tensor_parallel_plan, tensor_parallel_sizes
+from models.qwen3.parallelize import apply_tensor_parallel_plan
 from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from models.spec import ModelSpec
+from parallelisms.tensor_parallel import decoder_tensor_parallel_sizes
 
 V = 151936  # Qwen3 vocabulary
 
@@ -40,6 +41,6 @@ spec = ModelSpec(
     flavors=flavors,
     state_dict_adapter=Qwen3StateDictAdapter,
     parallelize_plan=apply_tensor_parallel_plan,
-    tensor_parallel_sizes=tensor_parallel_sizes,
+    tensor_parallel_sizes=decoder_tensor_parallel_sizes,
     pipeline_split=pipeline_split,
 )

@@ -9,18 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-from models.qwen3.model import Qwen3Args
 from parallelisms.tensor_parallel import decoder_block_plan, decoder_root_plan
-
-
-def tensor_parallel_sizes(args: Qwen3Args) -> dict[str, int]:
-    """Sizes that the tensor-parallel degree must divide."""
-    return {
-        "model n_heads": args.n_heads,
-        "model n_kv_heads": args.n_kv_heads,
-        "model ffn_hidden_dim": args.ffn_hidden_dim,
-        "the vocabulary size": args.vocab_size,
-    }
 
 
 def apply_tensor_parallel_plan(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
