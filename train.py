@@ -25,7 +25,7 @@ import torch
 from checkpoint.manager import Checkpointer
 from checkpoint.preemption import PreemptionWatcher
 from checkpoint.state import TrainState
-from configs import ConfigError, config_to_toml, load_config
+from configs import UserError, config_to_toml, load_config
 from data.loader import build_dataloader, plan_batches
 from parallelisms import ParallelDims, parallelize
 from parallelisms.compile import RecompileWatch
@@ -67,7 +67,7 @@ def train(argv: list[str]) -> None:
             dump_folder.mkdir(parents=True, exist_ok=True)
             (dump_folder / "config.toml").write_text(config_to_toml(config))
         except OSError as e:
-            raise ConfigError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
+            raise UserError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
     if config.job.description:
         logger.info(config.job.description)
 
@@ -243,7 +243,7 @@ def train(argv: list[str]) -> None:
 def main() -> int:
     try:
         train(sys.argv[1:])
-    except ConfigError as e:
+    except UserError as e:
         # Every rank finds the same mistake: one line per node is enough.
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

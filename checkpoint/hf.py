@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from configs import ConfigError
+from configs import UserError
 from training.weight_init import copy_full_tensor, original_name
 
 SHARD_BYTES = 5 * 2**30
@@ -33,20 +33,20 @@ def load_into(model_parts: list[nn.Module], adapter, folder: Path) -> None:
                 try:
                     converted = adapter.from_hf({hf_name: tensors.get_tensor(hf_name)})
                 except KeyError as e:
-                    raise ConfigError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
+                    raise UserError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
                 for name, full in converted.items():
                     if name not in wanted:
                         continue  # held by another pipeline stage
                     param = params[name]
                     if tuple(full.shape) != tuple(param.shape):
                         shapes = f"{tuple(full.shape)}, this model's {name} is {tuple(param.shape)}"
-                        raise ConfigError(f"{file}: {hf_name} is {shapes}")
+                        raise UserError(f"{file}: {hf_name} is {shapes}")
                     with torch.no_grad():
                         copy_full_tensor(param, full.to(param.device, param.dtype))
                     loaded.add(name)
     missing = sorted(wanted - loaded)
     if missing:
-        raise ConfigError(f"Hugging Face checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
+        raise UserError(f"Hugging Face checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
 
 
 def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torch.dtype) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
-from configs import ConfigError
+from configs import UserError
 from configs.schema import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -172,15 +172,13 @@ class Checkpointer:
         if steps:
             step = steps[-1] if self.config.load_step == -1 else self.config.load_step
             if step not in steps:
-                raise ConfigError(
+                raise UserError(
                     f"checkpoint.load_step {step}: no complete checkpoint step-{step} in {self.folder}"
                 )
             self._load_checkpoint(self.folder / f"step-{step}")
             return True
         if self.config.load_step not in (-1, 0) and self.config.enable:
-            raise ConfigError(
-                f"checkpoint.load_step {self.config.load_step}: no checkpoints in {self.folder}"
-            )
+            raise UserError(f"checkpoint.load_step {self.config.load_step}: no checkpoints in {self.folder}")
         if self.config.initial_load_path:
             self._load_initial_weights(Path(self.config.initial_load_path))
         return False
@@ -193,7 +191,7 @@ class Checkpointer:
         try:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-            raise ConfigError(
+            raise UserError(
                 f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
             ) from None
         if "model" in parts:
@@ -210,7 +208,7 @@ class Checkpointer:
         """Refuse a checkpoint of another model, or one lacking what is to be loaded."""
         missing = [p for p in parts if not any(key.startswith(p + ".") for key in saved)]
         if missing:
-            raise ConfigError(
+            raise UserError(
                 f"checkpoint {path} has no {', '.join(missing)} (a model-only save?); to start from its "
                 f"weights use checkpoint.initial_load_path, or exclude_from_loading = {missing}"
             )
@@ -219,7 +217,7 @@ class Checkpointer:
 
     def _load_initial_weights(self, path: Path) -> None:
         if not path.exists():
-            raise ConfigError(f"checkpoint.initial_load_path '{path}' does not exist")
+            raise UserError(f"checkpoint.initial_load_path '{path}' does not exist")
         if hf.is_hf_folder(path):
             hf.load_into(self.model_parts, self.adapter, path)
         else:
@@ -229,7 +227,7 @@ class Checkpointer:
             try:
                 dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
             except (Exception, dcp.CheckpointException) as e:
-                raise ConfigError(
+                raise UserError(
                     f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}"
                 ) from None
             load_model_state(self.model_parts, state["model"])
@@ -238,11 +236,11 @@ class Checkpointer:
 
 def _read_metadata(path: Path) -> dict:
     if not (path / ".metadata").is_file():
-        raise ConfigError(f"{path} is not a complete DCP checkpoint (no .metadata)")
+        raise UserError(f"{path} is not a complete DCP checkpoint (no .metadata)")
     try:
         return FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:
-        raise ConfigError(
+        raise UserError(
             f"checkpoint {path} is corrupt: its .metadata cannot be read ({first_line(e)})"
         ) from None
 
@@ -257,7 +255,7 @@ def _check_shapes(path: Path, saved: dict, ours: dict[str, tuple]) -> None:
             problems.append(f"{key[6:]} is {tuple(entry.size)} there, {shape} here")
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise ConfigError(f"checkpoint {path} holds a different model: {shown}")
+        raise UserError(f"checkpoint {path} holds a different model: {shown}")
 
 
 def first_line(error: Exception) -> str:

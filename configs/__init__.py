@@ -1,6 +1,8 @@
-"""Config schema (schema.py), loading and checking (loader.py), reference docs (docs.py)."""
+"""Config schema (schema.py), loading and checking (loader.py), reference docs (docs.py), and the
+one error type for user mistakes (errors.py)."""
 
-from configs.loader import ConfigError, config_to_toml, load_config
+from configs.errors import UserError
+from configs.loader import config_to_toml, load_config
 from configs.schema import JobConfig
 
-__all__ = ["ConfigError", "JobConfig", "config_to_toml", "load_config"]
+__all__ = ["JobConfig", "UserError", "config_to_toml", "load_config"]

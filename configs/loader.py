@@ -1,6 +1,6 @@
 """Read a config: dataclass defaults <- TOML file <- `--section.key value` overrides, then check it.
 
-Every mistake a user can make here raises ConfigError with one message naming the key; train.py
+Every mistake a user can make here raises UserError with one message naming the key; train.py
 prints it as `error: ...` and exits with code 2.
 """
 
@@ -18,16 +18,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from configs.errors import UserError
 from configs.schema import JobConfig
 
 USAGE = (
     "usage: train.py [--config FILE.toml] [--section.key VALUE | --section.key=VALUE ...]\n"
     "Every key is listed, with its default and meaning, in README.md (Configuration)."
 )
-
-
-class ConfigError(Exception):
-    """A mistake in the config or the command line; the message names the key."""
 
 
 def load_config(argv: list[str]) -> JobConfig:
@@ -52,7 +49,7 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument '{arg}' (options look like --section.key VALUE)")
+            raise UserError(f"unexpected argument '{arg}' (options look like --section.key VALUE)")
         key, has_value, value = arg[2:].partition("=")
         if not has_value:
             next_arg = argv[i + 1] if i + 1 < len(argv) else None
@@ -63,7 +60,7 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None
                 i += 1
         if key == "config":
             if value is None:
-                raise ConfigError("--config needs a file name")
+                raise UserError("--config needs a file name")
             config_file = value
         else:
             overrides.append((key, value))
@@ -74,11 +71,11 @@ def _split_argv(argv: list[str]) -> tuple[str | None, list[tuple[str, str | None
 def _read_toml(path: str) -> dict[str, Any]:
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"config file '{path}' does not exist")
+        raise UserError(f"config file '{path}' does not exist")
     try:
         return tomllib.loads(file.read_text())
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        raise UserError(f"{path} is not valid TOML: {e}") from None
 
 
 def _sections(config: JobConfig) -> dict[str, Any]:
@@ -94,9 +91,9 @@ def _apply_section(config: JobConfig, section: str, values: Any, source: str) ->
     sections = _sections(config)
     if section not in sections:
         hint = _close_match(section, list(sections))
-        raise ConfigError(f"unknown section [{section}] in {source}{hint}")
+        raise UserError(f"unknown section [{section}] in {source}{hint}")
     if not isinstance(values, dict):
-        raise ConfigError(f"'{section}' in {source} must be a [section] table, not a value")
+        raise UserError(f"'{section}' in {source} must be a [section] table, not a value")
     for name, value in values.items():
         _resolve_key(config, f"{section}.{name}")
         _set_value(config, section, name, value, from_cli=False)
@@ -108,9 +105,9 @@ def _resolve_key(config: JobConfig, key: str) -> tuple[str, str]:
     all_keys = [f"{s}.{f.name}" for s, obj in sections.items() for f in dataclasses.fields(obj)]
     section, dot, name = key.partition(".")
     if not dot or section not in sections:
-        raise ConfigError(f"unknown option '--{key}'{_close_match(key, all_keys)}")
+        raise UserError(f"unknown option '--{key}'{_close_match(key, all_keys)}")
     if name not in {f.name for f in dataclasses.fields(sections[section])}:
-        raise ConfigError(f"unknown key '{key}'{_close_match(key, all_keys)}")
+        raise UserError(f"unknown key '{key}'{_close_match(key, all_keys)}")
     return section, name
 
 
@@ -127,14 +124,14 @@ def _convert(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
         if value not in choices:
             listed = ", ".join(repr(c) for c in choices)
             hint = _close_match(str(value), list(choices))
-            raise ConfigError(f"{key} must be one of {listed}, got {value!r}{hint}")
+            raise UserError(f"{key} must be one of {listed}, got {value!r}{hint}")
         return value
     if typing.get_origin(annotation) is list:
         (item_type,) = typing.get_args(annotation)
         if from_cli:
             value = _parse_cli_list(value, key)
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
+            raise UserError(f"{key} must be a list, got {value!r}")
         return [_convert(v, item_type, key, from_cli) for v in value]
     if from_cli:
         value = parse_scalar(value, annotation, key)
@@ -146,7 +143,7 @@ def _convert(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
         return float(value)
     if annotation is str and isinstance(value, str):
         return value
-    raise ConfigError(f"{key} must be {_type_name(annotation)}, got {value!r}")
+    raise UserError(f"{key} must be {_type_name(annotation)}, got {value!r}")
 
 
 def parse_scalar(raw: str | None, annotation: Any, key: str) -> Any:
@@ -159,28 +156,28 @@ def parse_scalar(raw: str | None, annotation: Any, key: str) -> Any:
             return True
         if lowered in ("false", "0", "no", "off"):
             return False
-        raise ConfigError(f"{key} must be true or false, got '{raw}'")
+        raise UserError(f"{key} must be true or false, got '{raw}'")
     if raw is None:
-        raise ConfigError(f"--{key} needs a value")
+        raise UserError(f"--{key} needs a value")
     try:
         if annotation is int:
             return int(raw)
         if annotation is float:
             return float(raw)
     except ValueError:
-        raise ConfigError(f"{key} must be {_type_name(annotation)}, got '{raw}'") from None
+        raise UserError(f"{key} must be {_type_name(annotation)}, got '{raw}'") from None
     return raw
 
 
 def _parse_cli_list(raw: str | None, key: str) -> list[Any]:
     """A list on the command line: TOML syntax `[1, 2]` / `["a"]`, or comma-separated `a,b`."""
     if raw is None:
-        raise ConfigError(f"--{key} needs a value")
+        raise UserError(f"--{key} needs a value")
     if raw.strip().startswith("["):
         try:
             return tomllib.loads(f"value = {raw}")["value"]
         except tomllib.TOMLDecodeError:
-            raise ConfigError(f"{key}: '{raw}' is not a valid TOML list") from None
+            raise UserError(f"{key}: '{raw}' is not a valid TOML list") from None
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
@@ -266,7 +263,7 @@ def check_values(config: JobConfig) -> None:
         if not ok:
             section, name = key.split(".")
             value = getattr(getattr(config, section), name)
-            raise ConfigError(f"{key} {message} (got {value!r})")
+            raise UserError(f"{key} {message} (got {value!r})")
 
 
 def config_to_toml(config: JobConfig) -> str:

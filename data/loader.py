@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from configs import ConfigError
+from configs import UserError
 from data.packing import PackedTextStream
 from data.shards import TokenShards
 from data.sources import build_document_source
@@ -111,7 +111,7 @@ def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShar
     if training.dataset == "tokens":
         shards = TokenShards(training.dataset_path, training.seq_len)
         if shards.vocab_size != tokenizer.vocab_size:
-            raise ConfigError(
+            raise UserError(
                 f"the token shards in '{training.dataset_path}' were made with a tokenizer of "
                 f"{shards.vocab_size} tokens ({shards.meta['tokenizer']}), but model.hf_assets_path "
                 f"gives one of {tokenizer.vocab_size}"
@@ -132,7 +132,7 @@ def plan_batches(training, dp_degree: int) -> tuple[int, int]:
     local = training.local_batch_size
     global_batch = local * dp_degree if training.global_batch_size == -1 else training.global_batch_size
     if global_batch % (local * dp_degree):
-        raise ConfigError(
+        raise UserError(
             f"training.global_batch_size ({global_batch}) must be a multiple of local_batch_size x "
             f"data-parallel degree ({local} x {dp_degree})"
         )

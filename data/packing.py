@@ -10,7 +10,7 @@ from functools import partial
 
 import numpy as np
 
-from configs import ConfigError
+from configs import UserError
 from data.sources import DocumentSource
 from data.tokenizer import Tokenizer
 
@@ -31,7 +31,7 @@ class PackedTextStream:
                 tokens = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
                 yield epoch, index, np.asarray(tokens, dtype=np.int64)
             if count == 0 and start == 0:
-                raise ConfigError("the dataset has no documents (training.dataset / dataset_path)")
+                raise UserError("the dataset has no documents (training.dataset / dataset_path)")
             epoch, start = epoch + 1, 0
 
     def samples(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import ConfigError
+from configs import UserError
 
 FORMAT = "recipe-token-shards-v1"
 
@@ -35,13 +35,13 @@ class TokenShards:
     def __init__(self, folder: str, seq_len: int):
         meta_path = Path(folder) / "meta.json"
         if not meta_path.is_file():
-            raise ConfigError(
+            raise UserError(
                 f"training.dataset_path '{folder}' has no meta.json; "
                 "write token shards with scripts/prepare_data.py"
             )
         meta = json.loads(meta_path.read_text())
         if meta.get("format") != FORMAT:
-            raise ConfigError(f"{meta_path} is not a {FORMAT} file (format: {meta.get('format')!r})")
+            raise UserError(f"{meta_path} is not a {FORMAT} file (format: {meta.get('format')!r})")
         self.meta = meta
         self.vocab_size = meta["vocab_size"]
         self.seq_len = seq_len
@@ -50,14 +50,14 @@ class TokenShards:
             path = Path(folder) / shard["file"]
             expected = shard["num_tokens"] * np.dtype(meta["dtype"]).itemsize
             if not path.is_file() or path.stat().st_size != expected:
-                raise ConfigError(f"token shard {path} is missing or truncated (expected {expected} bytes)")
+                raise UserError(f"token shard {path} is missing or truncated (expected {expected} bytes)")
             if shard["num_tokens"]:
                 self.arrays.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
         self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
         self.num_tokens = int(self.offsets[-1])
         self.samples_per_epoch = (self.num_tokens - 1) // seq_len
         if self.samples_per_epoch < 1:
-            raise ConfigError(
+            raise UserError(
                 f"training.dataset_path '{folder}' holds {self.num_tokens} tokens, fewer than one "
                 f"sample of seq_len {seq_len} + 1"
             )

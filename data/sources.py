@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
 
-from configs import ConfigError
+from configs import UserError
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent / "sample" / "python_docs.jsonl"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -31,7 +31,7 @@ def find_text_files(dataset_path: str) -> list[Path]:
         candidates = [Path(p) for p in glob.glob(dataset_path, recursive=True)]
     files = sorted(p for p in candidates if p.suffix in TEXT_SUFFIXES)
     if not files:
-        raise ConfigError(f"training.dataset_path '{dataset_path}' names no .txt, .jsonl or .parquet files")
+        raise UserError(f"training.dataset_path '{dataset_path}' names no .txt, .jsonl or .parquet files")
     return files
 
 
@@ -66,14 +66,14 @@ def _parquet_documents(file: Path, text_field: str) -> Iterator[str]:
 
     parquet = pq.ParquetFile(file)
     if text_field not in parquet.schema_arrow.names:
-        raise ConfigError(f"{file} has no column '{text_field}' (training.dataset_text_field)")
+        raise UserError(f"{file} has no column '{text_field}' (training.dataset_text_field)")
     for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
         yield from (text or "" for text in batch.column(0).to_pylist())
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
     if text_field not in row:
-        raise ConfigError(f"{where} has no field '{text_field}' (training.dataset_text_field)")
+        raise UserError(f"{where} has no field '{text_field}' (training.dataset_text_field)")
     return row[text_field]
 
 
@@ -82,7 +82,7 @@ def hf_documents(name: str, subset: str, split: str, text_field: str) -> Documen
     try:
         import datasets
     except ImportError:
-        raise ConfigError(
+        raise UserError(
             "training.dataset = 'hf' needs the `datasets` package (pip install datasets)"
         ) from None
 

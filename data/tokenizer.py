@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
-from configs import ConfigError
+from configs import UserError
 
 
 class Tokenizer(Protocol):
@@ -49,17 +49,17 @@ class HFTokenizer:
 
         path = Path(folder) / "tokenizer.json"
         if not path.is_file():
-            raise ConfigError(f"model.hf_assets_path: no tokenizer.json in '{folder}'")
+            raise UserError(f"model.hf_assets_path: no tokenizer.json in '{folder}'")
         try:
             self._tokenizer = _Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception on malformed files
-            raise ConfigError(f"model.hf_assets_path: cannot read {path}: {e}") from None
+            raise UserError(f"model.hf_assets_path: cannot read {path}: {e}") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         named = _special_tokens_from_config(Path(folder) / "tokenizer_config.json")
         self.eos_id = self._find_id(named.get("eos_token"), _EOS_NAMES)
         self.bos_id = self._find_id(named.get("bos_token"), _BOS_NAMES)
         if self.eos_id is None:
-            raise ConfigError(f"model.hf_assets_path: {path} has no end-of-text token to separate documents")
+            raise UserError(f"model.hf_assets_path: {path} has no end-of-text token to separate documents")
 
     def _find_id(self, configured: str | None, candidates: tuple[str, ...]) -> int | None:
         for token in (configured, *candidates):
@@ -96,5 +96,5 @@ def build_tokenizer(hf_assets_path: str) -> Tokenizer:
     if not hf_assets_path:
         return ByteTokenizer()
     if not Path(hf_assets_path).is_dir():
-        raise ConfigError(f"model.hf_assets_path '{hf_assets_path}' is not a folder")
+        raise UserError(f"model.hf_assets_path '{hf_assets_path}' is not a folder")
     return HFTokenizer(hf_assets_path)

@@ -6,7 +6,7 @@ A forked model folder is registered by one line here.
 import difflib
 import importlib
 
-from configs import ConfigError
+from configs import UserError
 from models.spec import ModelSpec
 
 MODEL_PACKAGES = {
@@ -19,7 +19,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if name not in MODEL_PACKAGES:
         match = difflib.get_close_matches(name, list(MODEL_PACKAGES), n=1)
         hint = f" (did you mean '{match[0]}'?)" if match else ""
-        raise ConfigError(f"model.name '{name}' is not registered in models/__init__.py{hint}")
+        raise UserError(f"model.name '{name}' is not registered in models/__init__.py{hint}")
     return importlib.import_module(MODEL_PACKAGES[name]).spec
 
 
@@ -28,4 +28,4 @@ def check_flavor(spec: ModelSpec, flavor: str) -> None:
         match = difflib.get_close_matches(flavor, list(spec.flavors), n=1)
         hint = f" (did you mean '{match[0]}'?)" if match else ""
         known = ", ".join(spec.flavors)
-        raise ConfigError(f"model.flavor '{flavor}' is not a {spec.name} flavor ({known}){hint}")
+        raise UserError(f"model.flavor '{flavor}' is not a {spec.name} flavor ({known}){hint}")

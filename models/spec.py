@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from configs import ConfigError
+from configs import UserError
 from configs.loader import parse_scalar
 
 
@@ -40,7 +40,7 @@ def model_args(
     args = _with_changes(spec.flavors[flavor], changes)
     vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64
     if tokenizer_vocab_size > vocab_size:
-        raise ConfigError(
+        raise UserError(
             f"the tokenizer has {tokenizer_vocab_size} tokens but model {spec.name} {flavor} has a "
             f"vocabulary of {vocab_size}; use a matching model.hf_assets_path or flavor"
         )
@@ -57,7 +57,7 @@ def _with_changes(args: Any, changes: list[str]) -> Any:
         if not has_value or name not in hints:
             match = difflib.get_close_matches(name, list(hints), n=1)
             hint = f" (did you mean '{match[0]}'?)" if match else ""
-            raise ConfigError(
+            raise UserError(
                 f"model.args: '{change}' is not name=value for a field of {type(args).__name__}{hint}"
             )
         updates[name] = parse_scalar(raw.strip(), hints[name], f"model.args {name}")

@@ -5,7 +5,7 @@ import logging
 import torch
 from torch import nn
 
-from configs import ConfigError
+from configs import UserError
 from configs.schema import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -16,7 +16,7 @@ def check_compile(config: JobConfig, tp_enabled: bool) -> None:
         # torch 2.13: the compiled checkpoint region saves the tensor-parallel DeviceMesh for
         # backward and AOT autograd rejects it ("expected all tensors_saved_with_vc_check to be
         # Tensors"). Compiling inside the checkpoint instead would defeat selective checkpointing.
-        raise ConfigError(
+        raise UserError(
             "compile with activation checkpointing and tensor parallelism fails in torch's compiled "
             "checkpoint; turn off one of compile.enable, activation_checkpoint.mode or TP"
         )

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from configs import ConfigError
+from configs import UserError
 from models.attention import CausalAttentionKernel
 
 
@@ -100,7 +100,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     kernels = [name for name, module in model.named_modules() if isinstance(module, CausalAttentionKernel)]
     has_layers = any(True for _ in getattr(model, "layers", {}))  # a pipeline stage may hold none
     if not kernels and has_layers:
-        raise ConfigError(
+        raise UserError(
             "context parallelism needs the model's attention to call "
             f"models.attention.CausalAttentionKernel; {type(model).__name__} has none"
         )

@@ -5,7 +5,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from configs import ConfigError
+from configs import UserError
 from configs.schema import Float8
 
 
@@ -15,18 +15,18 @@ def check_float8(config: Float8, device: torch.device, tp_enabled: bool, fsdp_en
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise ConfigError("float8.enable needs torchao (pip install torchao)") from None
+        raise UserError("float8.enable needs torchao (pip install torchao)") from None
     if tp_enabled:
-        raise ConfigError("float8 with tensor parallelism is not supported here; use FSDP (and PP/CP)")
+        raise UserError("float8 with tensor parallelism is not supported here; use FSDP (and PP/CP)")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"float8 needs a GPU of compute capability 8.9 or newer; {name} is not")
+        raise UserError(f"float8 needs a GPU of compute capability 8.9 or newer; {name} is not")
     if config.enable_fsdp_float8_all_gather and config.recipe_name != "tensorwise":
-        raise ConfigError("float8.enable_fsdp_float8_all_gather works only with recipe_name = 'tensorwise'")
+        raise UserError("float8.enable_fsdp_float8_all_gather works only with recipe_name = 'tensorwise'")
     if config.precompute_float8_dynamic_scale_for_fsdp and not (
         config.enable_fsdp_float8_all_gather and fsdp_enabled
     ):
-        raise ConfigError(
+        raise UserError(
             "float8.precompute_float8_dynamic_scale_for_fsdp needs enable_fsdp_float8_all_gather and FSDP"
         )
 

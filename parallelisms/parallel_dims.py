@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from configs import ConfigError
+from configs import UserError
 from configs.schema import Parallelism
 
 
@@ -56,13 +56,13 @@ class ParallelDims:
         others = pp * replicate * cp * tp
         if shard == -1:
             if world_size % others:
-                raise ConfigError(
+                raise UserError(
                     f"world size {world_size} is not divisible by the pipeline x replicate x context x "
                     f"tensor parallel degrees = {pp} x {replicate} x {cp} x {tp}"
                 )
             shard = world_size // others
         if pp * replicate * shard * cp * tp != world_size:
-            raise ConfigError(
+            raise UserError(
                 f"parallelism degrees multiply to {pp} x {replicate} x {shard} x {cp} x {tp} = "
                 f"{pp * replicate * shard * cp * tp} (pipeline x replicate x shard x context x tensor) "
                 f"but the world size is {world_size}"
@@ -105,7 +105,7 @@ class ParallelDims:
 
     def check_sequence_split(self, seq_len: int) -> None:
         if self.cp_enabled and seq_len % (2 * self.cp):
-            raise ConfigError(
+            raise UserError(
                 f"training.seq_len ({seq_len}) must divide into 2 x context_parallel_degree = "
                 f"{2 * self.cp} chunks"
             )
@@ -114,13 +114,13 @@ class ParallelDims:
             what = f"training.seq_len ({seq_len})"
             if self.cp_enabled:
                 what = f"the {local} tokens per context-parallel rank (training.seq_len / {self.cp})"
-            raise ConfigError(f"tensor_parallel_degree {self.tp} does not divide {what}")
+            raise UserError(f"tensor_parallel_degree {self.tp} does not divide {what}")
 
     def check_divisibility(self, sizes: dict[str, int]) -> None:
         """Every named size (heads, vocabulary, sequence length...) must split evenly over tp."""
         for name, size in sizes.items():
             if size % self.tp:
-                raise ConfigError(f"tensor_parallel_degree {self.tp} does not divide {name} ({size})")
+                raise UserError(f"tensor_parallel_degree {self.tp} does not divide {name} ({size})")
 
     def describe(self) -> str:
         return (

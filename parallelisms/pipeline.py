@@ -23,7 +23,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from configs import ConfigError
+from configs import UserError
 from configs.schema import Parallelism
 
 SCHEDULES = {
@@ -44,7 +44,7 @@ SPLIT_BACKWARD = {"InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 
 def check_schedule(config: Parallelism, fsdp_enabled: bool) -> None:
     if config.pipeline_parallel_schedule in SPLIT_BACKWARD and fsdp_enabled:
-        raise ConfigError(
+        raise UserError(
             f"pipeline_parallel_schedule {config.pipeline_parallel_schedule} with FSDP gives wrong "
             "gradients (torch splits backward in a way FSDP2 does not support); use Interleaved1F1B "
             "or 1F1B, or no data parallelism"
@@ -55,7 +55,7 @@ def pipeline_microbatches(config, accumulation_steps: int) -> int:
     """Pipeline micro-batches per step: the rank's local batch x accumulation steps, cut in sizes."""
     local, size = config.training.local_batch_size, config.parallelism.pipeline_parallel_microbatch_size
     if local % size:
-        raise ConfigError(
+        raise UserError(
             f"parallelism.pipeline_parallel_microbatch_size ({size}) must divide "
             f"training.local_batch_size ({local})"
         )
@@ -76,7 +76,7 @@ def stage_module_names(
         starts = config.pipeline_parallel_split_points
         unknown = [s for s in starts if s not in layers]
         if unknown:
-            raise ConfigError(
+            raise UserError(
                 f"parallelism.pipeline_parallel_split_points: {unknown} are not layers ({layers[0]} ...)"
             )
         bounds = [0, *sorted(layers.index(s) for s in starts), len(layers)]
@@ -88,7 +88,7 @@ def stage_module_names(
         num_stages = pp_degree * (1 if name in SINGLE_STAGE else 2)
         return _balanced_groups([*head, *layers, *tail], num_stages, len(head), len(tail))
     if any(not g for g in groups):
-        raise ConfigError("parallelism.pipeline_parallel_split_points leave a stage without layers")
+        raise UserError("parallelism.pipeline_parallel_split_points leave a stage without layers")
     groups[0] = [*head, *groups[0]]
     groups[-1] = [*groups[-1], *tail]
     return groups
@@ -98,7 +98,7 @@ def _balanced_groups(units: list[str], num_stages: int, head: int, tail: int) ->
     # The head and the tail count as one unit each, whatever number of modules they have.
     weighted = [units[:head], *[[u] for u in units[head : len(units) - tail]], units[len(units) - tail :]]
     if len(weighted) < num_stages:
-        raise ConfigError(
+        raise UserError(
             f"{num_stages} pipeline stages need at least {num_stages - 2} layers; the model has "
             f"{len(weighted) - 2}"
         )
@@ -114,15 +114,15 @@ def _balanced_groups(units: list[str], num_stages: int, head: int, tail: int) ->
 
 def stages_of_rank(pp_rank: int, pp_degree: int, num_stages: int, schedule: str) -> list[int]:
     if num_stages % pp_degree:
-        raise ConfigError(
+        raise UserError(
             f"{num_stages} pipeline stages do not divide over pipeline_parallel_degree {pp_degree}"
         )
     per_rank = num_stages // pp_degree
     if schedule in SINGLE_STAGE and per_rank != 1:
-        raise ConfigError(f"{schedule} runs one stage per rank, but the split gives {per_rank} per rank")
+        raise UserError(f"{schedule} runs one stage per rank, but the split gives {per_rank} per rank")
     if schedule in V_SHAPED:
         if per_rank != 2:
-            raise ConfigError(f"{schedule} runs two stages per rank, but the split gives {per_rank}")
+            raise UserError(f"{schedule} runs two stages per rank, but the split gives {per_rank}")
         return [pp_rank, num_stages - 1 - pp_rank]
     return [pp_rank + i * pp_degree for i in range(per_rank)]
 
@@ -181,7 +181,7 @@ class Pipeline:
                 scale_grads=False,
             )
         except ValueError as e:
-            raise ConfigError(
+            raise UserError(
                 f"pipeline schedule {schedule_name} with {n_microbatches} micro-batches: {e}"
             ) from None
         self.has_first = 0 in indices

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint import hf
 from checkpoint.manager import first_line
-from configs import ConfigError
+from configs import UserError
 from scripts.model_from_config import build_meta_model, load_run_config
 
 TOKENIZER_FILES = (
@@ -36,9 +36,9 @@ TOKENIZER_FILES = (
 def convert(args: argparse.Namespace) -> None:
     checkpoint, output = Path(args.checkpoint), Path(args.output)
     if output.exists():
-        raise ConfigError(f"--output '{output}' already exists; choose a new folder")
+        raise UserError(f"--output '{output}' already exists; choose a new folder")
     if not (checkpoint / ".metadata").is_file():
-        raise ConfigError(f"'{checkpoint}' is not a complete checkpoint (no .metadata)")
+        raise UserError(f"'{checkpoint}' is not a complete checkpoint (no .metadata)")
     config = load_run_config(args.config, checkpoint)
     spec, model_args, model = build_meta_model(config)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in model.named_parameters()}
@@ -49,7 +49,7 @@ def convert(args: argparse.Namespace) -> None:
             planner=DefaultLoadPlanner(allow_partial_load=True),
         )
     except (Exception, dcp.CheckpointException) as e:
-        raise ConfigError(f"cannot read the model from {checkpoint}: {first_line(e)}") from None
+        raise UserError(f"cannot read the model from {checkpoint}: {first_line(e)}") from None
     hf.save(state, spec.state_dict_adapter(model_args), output, getattr(torch, args.dtype))
     assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
     for name in TOKENIZER_FILES if assets else ():
@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     try:
         convert(parser.parse_args())
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

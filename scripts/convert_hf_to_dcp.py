@@ -17,17 +17,17 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import ConfigError
+from configs import UserError
 from scripts.model_from_config import build_meta_model, load_run_config
 
 
 def convert(args: argparse.Namespace) -> None:
     source, output = Path(args.hf), Path(args.output)
     if output.exists():
-        raise ConfigError(f"--output '{output}' already exists; choose a new folder")
+        raise UserError(f"--output '{output}' already exists; choose a new folder")
     files = sorted(source.glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"--hf '{source}' holds no .safetensors files")
+        raise UserError(f"--hf '{source}' holds no .safetensors files")
     spec, model_args, model = build_meta_model(load_run_config(args.config, None))
     adapter = spec.state_dict_adapter(model_args)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -38,12 +38,12 @@ def convert(args: argparse.Namespace) -> None:
                 try:
                     state.update(adapter.from_hf({hf_name: tensors.get_tensor(hf_name)}))
                 except KeyError as e:
-                    raise ConfigError(f"{file}: {e.args[0]}") from None
+                    raise UserError(f"{file}: {e.args[0]}") from None
     for name, shape in expected.items():
         if name not in state:
-            raise ConfigError(f"{source} has no tensor for {name}")
+            raise UserError(f"{source} has no tensor for {name}")
         if tuple(state[name].shape) != shape:
-            raise ConfigError(f"{source}: {name} is {tuple(state[name].shape)}, the model's is {shape}")
+            raise UserError(f"{source}: {name} is {tuple(state[name].shape)}, the model's is {shape}")
     dcp.save({"model": {name: state[name] for name in expected}}, checkpoint_id=str(output))
     print(f"wrote {output}")
 
@@ -57,7 +57,7 @@ def main() -> int:
     parser.add_argument("--output", required=True, help="new checkpoint folder")
     try:
         convert(parser.parse_args())
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from training.dry_run import dry_run
 
 
@@ -35,7 +35,7 @@ def main() -> int:
     try:
         config = load_config([*argv[split + 1 :], "--job.dry_run_world_size", str(args.world_size)])
         estimate = dry_run(config)
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {key: round(value, 2) if isinstance(value, float) else value

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from configs.schema import JobConfig
 from data.tokenizer import build_tokenizer
 from models import check_flavor, get_model_spec
@@ -16,7 +16,7 @@ def load_run_config(config_path: str | None, checkpoint: Path | None) -> JobConf
     if config_path is None and checkpoint is not None:
         candidate = checkpoint.resolve().parent.parent / "config.toml"
         if not candidate.is_file():
-            raise ConfigError(f"no config.toml next to {checkpoint}; name the run's config with --config")
+            raise UserError(f"no config.toml next to {checkpoint}; name the run's config with --config")
         config_path = str(candidate)
     return load_config(["--config", config_path])
 

@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from configs import ConfigError
+from configs import UserError
 from data.shards import write_meta
 from data.sources import build_document_source
 from data.tokenizer import build_tokenizer
@@ -27,7 +27,7 @@ from data.tokenizer import build_tokenizer
 def prepare(args: argparse.Namespace) -> None:
     output = Path(args.output)
     if output.exists():
-        raise ConfigError(f"--output '{output}' already exists; choose a new folder")
+        raise UserError(f"--output '{output}' already exists; choose a new folder")
     tokenizer = build_tokenizer(args.hf_assets_path)
     documents = build_document_source(
         args.dataset, args.dataset_path, args.text_field, args.subset, args.split
@@ -65,7 +65,7 @@ def prepare(args: argparse.Namespace) -> None:
             flush()
     if total_documents == 0:
         shutil.rmtree(partial)
-        raise ConfigError("the dataset has no documents")
+        raise UserError("the dataset has no documents")
     tokenizer_name = args.hf_assets_path or "byte"
     write_meta(partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name, shards)
     partial.rename(output)
@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--shard-tokens", type=int, default=2**28, help="tokens per shard file")
     try:
         prepare(parser.parse_args())
-    except ConfigError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

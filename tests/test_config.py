@@ -6,7 +6,7 @@ import sys
 import pytest
 from conftest import REPO, TINY, run_train
 
-from configs import ConfigError, JobConfig, config_to_toml, load_config
+from configs import JobConfig, UserError, config_to_toml, load_config
 from configs.docs import BEGIN, END, field_docs, reference_markdown
 
 if sys.version_info >= (3, 11):
@@ -74,7 +74,7 @@ def test_boolean_overrides(argv, value):
     ],
 )
 def test_command_line_errors_name_the_key(argv, message):
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(UserError) as error:
         load_config(argv)
     assert message in str(error.value)
 
@@ -91,7 +91,7 @@ def test_command_line_errors_name_the_key(argv, message):
     ],
 )
 def test_file_errors_name_the_key(tmp_path, text, message):
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(UserError) as error:
         load_config(["--config", write(tmp_path, text)])
     assert message in str(error.value)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from parallelisms.context_parallel import apply_context_parallel, local_positions, shard_sequences
 from parallelisms.parallel_dims import ParallelDims
 
@@ -34,14 +34,14 @@ def dims(*argv, world=4):
 
 def test_sequence_length_checks():
     with pytest.raises(
-        ConfigError, match=r"training.seq_len \(30\) must divide into 2 x context_parallel_degree = 8"
+        UserError, match=r"training.seq_len \(30\) must divide into 2 x context_parallel_degree = 8"
     ):
         dims("--parallelism.context_parallel_degree", "4").check_sequence_split(30)
     layout = dims(
         "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", world=8
     )
     with pytest.raises(
-        ConfigError, match="tensor_parallel_degree 4 does not divide the 10 tokens per context-parallel"
+        UserError, match="tensor_parallel_degree 4 does not divide the 10 tokens per context-parallel"
     ):
         layout.check_sequence_split(20)
     dims("--parallelism.context_parallel_degree", "2").check_sequence_split(32)
@@ -59,7 +59,7 @@ def test_model_without_the_shared_kernel_is_refused():
             self.layers = nn.ModuleDict({"0": nn.Linear(2, 2)})
 
     with pytest.raises(
-        ConfigError, match="needs the model's attention to call models.attention.CausalAttentionKernel"
+        UserError, match="needs the model's attention to call models.attention.CausalAttentionKernel"
     ):
         apply_context_parallel(OwnAttention(), cp_mesh=None)
 

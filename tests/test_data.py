@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from data.loader import GlobalOrderDataset, build_dataloader, build_source
 from data.packing import PackedTextStream
 from data.shards import TokenShards
@@ -73,12 +73,12 @@ def test_hf_tokenizer_round_trip(hf_assets):
 
 
 def test_tokenizer_errors(tmp_path):
-    with pytest.raises(ConfigError, match="is not a folder"):
+    with pytest.raises(UserError, match="is not a folder"):
         build_tokenizer(str(tmp_path / "missing"))
-    with pytest.raises(ConfigError, match="no tokenizer.json"):
+    with pytest.raises(UserError, match="no tokenizer.json"):
         build_tokenizer(str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(UserError, match="cannot read"):
         build_tokenizer(str(tmp_path))
 
 
@@ -111,7 +111,7 @@ def test_stream_restarts_from_any_recorded_position():
 
 def test_empty_dataset_is_an_error():
     stream = PackedTextStream(list_source([]), ByteTokenizer(), 4)
-    with pytest.raises(ConfigError, match="no documents"):
+    with pytest.raises(UserError, match="no documents"):
         next(stream.samples(0, 0, (0, 0, 0)))
 
 
@@ -227,11 +227,11 @@ def test_text_files_in_every_format(tmp_path):
 
 
 def test_source_errors(tmp_path):
-    with pytest.raises(ConfigError, match="names no .txt, .jsonl or .parquet files"):
+    with pytest.raises(UserError, match="names no .txt, .jsonl or .parquet files"):
         find_text_files(str(tmp_path / "nothing*"))
     (tmp_path / "d.jsonl").write_text(json.dumps({"content": "x"}) + "\n")
     documents = build_document_source("text", str(tmp_path), "text", "", "train")
-    with pytest.raises(ConfigError, match="has no field 'text'"):
+    with pytest.raises(UserError, match="has no field 'text'"):
         list(documents(0))
 
 
@@ -259,7 +259,7 @@ def test_truncated_shard_is_an_error(tmp_path):
                     "--output", str(output)], check=True, capture_output=True)  # fmt: skip
     shard = output / "tokens-00000.bin"
     shard.write_bytes(shard.read_bytes()[:-10])
-    with pytest.raises(ConfigError, match="missing or truncated"):
+    with pytest.raises(UserError, match="missing or truncated"):
         TokenShards(str(output), 64)
 
 
@@ -268,5 +268,5 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path, hf_assets):
     subprocess.run([sys.executable, str(REPO / "scripts/prepare_data.py"), "--dataset", "python_docs",
                     "--output", str(output)], check=True, capture_output=True)  # fmt: skip
     training = training_config("--training.dataset", "tokens", "--training.dataset_path", str(output))
-    with pytest.raises(ConfigError, match="made with a tokenizer of 258 tokens"):
+    with pytest.raises(UserError, match="made with a tokenizer of 258 tokens"):
         build_source(training, build_tokenizer(str(hf_assets)))

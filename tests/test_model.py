@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from configs import ConfigError
+from configs import UserError
 from models import get_model_spec
 from models.llama3.model import Llama3Args, Transformer, apply_rope, rope_frequencies
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
@@ -60,9 +60,9 @@ def test_debug_vocab_follows_tokenizer():
 def test_model_args_change_the_flavor():
     args = model_args(SPEC, "tiny", 16, 258, ["tie_embeddings=true", "n_layers=2", "rope_theta=1e4"])
     assert (args.tie_embeddings, args.n_layers, args.rope_theta, args.dim) == (True, 2, 1e4, 64)
-    with pytest.raises(ConfigError, match=r"'n_layer=2' is not name=value .*did you mean 'n_layers'"):
+    with pytest.raises(UserError, match=r"'n_layer=2' is not name=value .*did you mean 'n_layers'"):
         model_args(SPEC, "tiny", 16, 258, ["n_layer=2"])
-    with pytest.raises(ConfigError, match="model.args n_layers must be an integer, got 'two'"):
+    with pytest.raises(UserError, match="model.args n_layers must be an integer, got 'two'"):
         model_args(SPEC, "tiny", 16, 258, ["n_layers=two"])
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 from conftest import REPO, TINY, read_metrics, run_train
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from parallelisms.parallel_dims import ParallelDims
 
 STEPS = 10
@@ -146,14 +146,14 @@ def test_accumulation_under_fsdp_reduces_once_per_step():
     ],
 )  # fmt: skip
 def test_bad_degrees_are_refused(overrides, world, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(UserError, match=message):
         ParallelDims.from_config(load_config(overrides).parallelism, world)
 
 
 def test_inferred_shard_degree():
     dims = ParallelDims.from_config(load_config(["--parallelism.tensor_parallel_degree", "2"]).parallelism, 8)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 4, 2, 4)
-    with pytest.raises(ConfigError, match=r"tensor_parallel_degree 2 does not divide model n_kv_heads \(3\)"):
+    with pytest.raises(UserError, match=r"tensor_parallel_degree 2 does not divide model n_kv_heads \(3\)"):
         dims.check_divisibility({"model n_heads": 6, "model n_kv_heads": 3})
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from configs import ConfigError, load_config
+from configs import UserError, load_config
 from models import get_model_spec
 from models.spec import model_args
 from parallelisms.pipeline import check_schedule, keep_only, stage_module_names, stages_of_rank
@@ -50,15 +50,15 @@ def test_explicit_layers_per_stage_and_split_points():
 
 
 def test_split_errors():
-    with pytest.raises(ConfigError, match="need at least 6 layers; the model has 4"):
+    with pytest.raises(UserError, match="need at least 6 layers; the model has 4"):
         split(4, 4, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B")
-    with pytest.raises(ConfigError, match=r"\['layers.9'\] are not layers"):
+    with pytest.raises(UserError, match=r"\['layers.9'\] are not layers"):
         split(4, 2, "--parallelism.pipeline_parallel_split_points", "layers.9")
-    with pytest.raises(ConfigError, match="1F1B runs one stage per rank, but the split gives 2"):
+    with pytest.raises(UserError, match="1F1B runs one stage per rank, but the split gives 2"):
         stages_of_rank(0, 2, 4, "1F1B")
-    with pytest.raises(ConfigError, match="3 pipeline stages do not divide over pipeline_parallel_degree 2"):
+    with pytest.raises(UserError, match="3 pipeline stages do not divide over pipeline_parallel_degree 2"):
         stages_of_rank(0, 2, 3, "1F1B")
-    with pytest.raises(ConfigError, match="ZBVZeroBubble runs two stages per rank"):
+    with pytest.raises(UserError, match="ZBVZeroBubble runs two stages per rank"):
         stages_of_rank(0, 2, 6, "ZBVZeroBubble")
 
 
@@ -71,7 +71,7 @@ def test_stage_placement():
 def test_zero_bubble_schedules_refused_with_fsdp_only():
     for schedule in ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]:
         config = load_config(["--parallelism.pipeline_parallel_schedule", schedule]).parallelism
-        with pytest.raises(ConfigError, match=f"{schedule} with FSDP gives wrong gradients"):
+        with pytest.raises(UserError, match=f"{schedule} with FSDP gives wrong gradients"):
             check_schedule(config, fsdp_enabled=True)
         check_schedule(config, fsdp_enabled=False)
 

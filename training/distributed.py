@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from configs import ConfigError
+from configs import UserError
 
 
 def rank() -> int:
@@ -33,7 +33,7 @@ def setup_logging() -> None:
 
 def select_device(choice: str) -> torch.device:
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("training.device = 'cuda' but no CUDA device is available")
+        raise UserError("training.device = 'cuda' but no CUDA device is available")
     if choice == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     # Growable allocator segments: far less memory lost to fragmentation between steps of different

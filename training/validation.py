@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from configs import ConfigError
+from configs import UserError
 from configs.schema import Training, Validation
 from data.loader import build_dataloader
 from data.tokenizer import Tokenizer
@@ -31,7 +31,7 @@ class Validator:
         if not config.enable:
             return
         if config.dataset != "python_docs" and not config.dataset_path:
-            raise ConfigError(
+            raise UserError(
                 f"validation.dataset_path is required when validation.dataset = '{config.dataset}'"
             )
         source = dataclasses.replace(training, dataset=config.dataset, dataset_path=config.dataset_path)

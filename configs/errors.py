@@ -1,0 +1,7 @@
+"""The one error type for a mistake a user can make and fix: a config key, a layout, missing or
+damaged data, a checkpoint that does not fit. train.py prints it as one `error: ...` line and exits
+with code 2; anything else is a bug (or a failure of the machine) and keeps its traceback."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message names the cause (the key, file or checkpoint)."""
