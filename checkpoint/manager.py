@@ -3,6 +3,7 @@
 Layout on disk, under <dump_folder>/<checkpoint.folder>:
     step-500/          a complete checkpoint (DCP files + .metadata)
     step-1000.partial/ a save in progress (or killed): never loaded, never counted
+    step-100.deleting/ an old checkpoint being deleted (keep_latest_k), in the background
 A save is written to step-N.partial and renamed to step-N by rank 0 once every rank has finished
 (DCP writes .metadata last, after all ranks' data). Re-running the same command resumes from the
 latest complete checkpoint; without one, checkpoint.initial_load_path gives starting weights.
@@ -11,6 +12,7 @@ latest complete checkpoint; without one, checkpoint.initial_load_path gives star
 import logging
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -65,6 +67,7 @@ class Checkpointer:
         self.total_steps = total_steps
         self.is_rank0 = dist.get_rank() == 0
         self.pending = None  # (future, partial path, final path) of an async save
+        self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
 
@@ -82,16 +85,21 @@ class Checkpointer:
         return state
 
     # ---- saving ----------------------------------------------------------------------------
-    def maybe_save(self, step: int) -> None:
-        if not self.config.enable:
-            return
-        if step % self.config.interval == 0 or step == self.total_steps:
-            self.save(step)
+    @property
+    def enabled(self) -> bool:
+        return self.config.enable
+
+    def due(self, step: int) -> bool:
+        return self.config.enable and (step % self.config.interval == 0 or step == self.total_steps)
+
+    def path(self, step: int) -> Path:
+        """Where checkpoint step-<step> is once complete."""
+        return self.folder / f"step-{step}"
 
     def save(self, step: int, blocking: bool = False) -> Path:
         """Write checkpoint step-<step>; returns its final path (complete once committed)."""
         self.wait()  # one save in flight at a time
-        final = self.folder / f"step-{step}"
+        final = self.path(step)
         partial = self.folder / f"step-{step}.partial"
         if self.is_rank0:
             if partial.exists():
@@ -147,20 +155,40 @@ class Checkpointer:
         self.pending = None
         logger.info(f"saved checkpoint {final}")
 
+    def close(self) -> None:
+        """At the end of training: the background save and deletion finished."""
+        self.wait()
+        self._wait_for_deletion()
+
     def _commit(self, partial: Path, final: Path) -> None:
         if self.is_rank0:
             if final.exists():  # an older save of the same step (e.g. the run was restarted)
                 shutil.rmtree(final)
             partial.rename(final)
-            self._keep_latest()
         dist.barrier(group=self.group)
+        if self.is_rank0:
+            self._delete_old_in_background()
 
-    def _keep_latest(self) -> None:
+    def _delete_old_in_background(self) -> None:
+        """keep_latest_k: delete older complete checkpoints off the critical path (a large
+        checkpoint takes seconds to delete, and every rank would wait for rank 0 at its next
+        collective)."""
+        self._wait_for_deletion()
         keep = self.config.keep_latest_k
-        if keep <= 0:
-            return
-        for step in complete_steps(self.folder)[:-keep]:
-            shutil.rmtree(self.folder / f"step-{step}")
+        old = complete_steps(self.folder)[:-keep] if keep > 0 else []
+        doomed = []
+        for step in old:  # renamed first, so that a kill mid-deletion leaves no half checkpoint
+            doomed.append(self.path(step).rename(self.folder / f"step-{step}.deleting"))
+        if doomed:
+            self.deleting = threading.Thread(
+                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in doomed]
+            )
+            self.deleting.start()
+
+    def _wait_for_deletion(self) -> None:
+        if self.deleting is not None:
+            self.deleting.join()
+            self.deleting = None
 
     # ---- loading ---------------------------------------------------------------------------
     def load(self) -> bool:
@@ -169,6 +197,8 @@ class Checkpointer:
         if self.config.enable and self.is_rank0:
             for stale in sorted(self.folder.glob("step-*.partial")):
                 logger.warning(f"ignoring {stale}: a save that did not finish (delete it to free space)")
+            for doomed in self.folder.glob("step-*.deleting"):  # a deletion that was killed
+                shutil.rmtree(doomed, ignore_errors=True)
         if steps:
             step = steps[-1] if self.config.load_step == -1 else self.config.load_step
             if step not in steps:
@@ -194,12 +224,14 @@ class Checkpointer:
             raise UserError(
                 f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
             ) from None
+        if "train" in parts:  # before anything is loaded into the model
+            self.train_state.check_model(state["train"]["model"], str(path))
         if "model" in parts:
             load_model_state(self.model_parts, state["model"])
         if "optimizer" in parts:
             load_optimizer_state(self.model_parts, self.optimizers.parts, state["optimizer"])
         if "train" in parts:
-            self.train_state.load_dict(state["train"])
+            self.train_state.load_dict(state["train"], str(path))
         if "dataloader" in parts:
             self.dataset.load_state_dict(state["dataloader"])
         logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")

@@ -10,8 +10,10 @@ Names never contain the parallel layout (no stage, rank or wrapper prefixes), so
 loads into any layout and any world size.
 """
 
+import json
 import pickle
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,17 +25,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from training.weight_init import original_name
+from configs import UserError
 
+# torch's state-dict helpers already name parameters as the plain model does (no wrapper
+# prefixes); a rank holding several parts (pipeline stages) merges them.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# Args that may change on resume: the RoPE table follows training.seq_len.
+RESUMABLE_ARGS = ("max_seq_len",)
 
 
 @dataclass
 class TrainState:
     step: int = 0
     tokens_seen: int = 0
-    model: str = ""  # "name flavor args": a checkpoint of another model is refused by name
+    model: str = ""  # the model's identity (describe()): a checkpoint of another model is refused
     rng: bytes = b""  # pickled CPU (and CUDA) generator states
+
+    @staticmethod
+    def describe(name: str, args: Any) -> str:
+        """The family and every architecture argument, as JSON."""
+        described = {f.name: getattr(args, f.name) for f in fields(args)} if is_dataclass(args) else {}
+        return json.dumps({"name": name, **described}, sort_keys=True)
 
     def to_dict(self) -> dict:
         # Raw bytes, not pickled tensors: pickling a tensor is not byte-for-byte reproducible.
@@ -43,7 +55,26 @@ class TrainState:
         self.rng = pickle.dumps(generators)
         return asdict(self)
 
-    def load_dict(self, state: dict) -> None:
+    def check_model(self, saved: str, where: str) -> None:
+        """Refuse a checkpoint whose model differs from this run's in any architecture argument
+        (tensor shapes alone miss e.g. n_heads or rope_theta)."""
+        try:
+            theirs, ours = json.loads(saved), json.loads(self.model)
+        except json.JSONDecodeError:
+            return  # written before the identity was recorded: shapes are checked on their own
+        differences = [
+            f"{key} {theirs.get(key)!r} there, {ours.get(key)!r} here"
+            for key in sorted(set(theirs) | set(ours))
+            if key not in RESUMABLE_ARGS and theirs.get(key) != ours.get(key)
+        ]
+        if differences:
+            raise UserError(
+                f"checkpoint {where} holds another model ({'; '.join(differences)}); to start from its "
+                "weights on purpose use checkpoint.initial_load_path"
+            )
+
+    def load_dict(self, state: dict, where: str) -> None:
+        self.check_model(state.get("model", ""), where)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         generators = pickle.loads(state["rng"]) if state["rng"] else {}
         as_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -55,24 +86,19 @@ class TrainState:
 
 def model_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     """Parameters of every part this rank holds, under the full model's names."""
-    merged = {}
-    for part in model_parts:
-        for name, tensor in get_model_state_dict(part).items():
-            merged[original_name(name)] = tensor
-    return merged
+    return {name: tensor for part in model_parts for name, tensor in get_model_state_dict(part).items()}
 
 
 def load_model_state(model_parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
     for part in model_parts:
-        names = {original_name(name): name for name in get_model_state_dict(part)}
-        set_model_state_dict(part, {names[n]: state[n] for n in names}, options=StateDictOptions(strict=True))
+        own = {name: state[name] for name in get_model_state_dict(part)}
+        set_model_state_dict(part, own, options=StateDictOptions(strict=True))
 
 
 def optimizer_state(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     merged = {}
     for part, optimizer in zip(model_parts, optimizers):
-        for key, value in get_optimizer_state_dict(part, optimizer, options=FLAT).items():
-            merged[original_name(key)] = value
+        merged.update(get_optimizer_state_dict(part, optimizer, options=FLAT))
     return merged
 
 
@@ -80,5 +106,5 @@ def load_optimizer_state(
     model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], state: dict
 ) -> None:
     for part, optimizer in zip(model_parts, optimizers):
-        keys = {original_name(key): key for key in get_optimizer_state_dict(part, optimizer, options=FLAT)}
-        set_optimizer_state_dict(part, optimizer, {keys[k]: state[k] for k in keys}, options=FLAT)
+        own = {key: state[key] for key in get_optimizer_state_dict(part, optimizer, options=FLAT)}
+        set_optimizer_state_dict(part, optimizer, own, options=FLAT)

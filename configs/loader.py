@@ -253,6 +253,7 @@ def check_values(config: JobConfig) -> None:
         ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
         ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
         ("job.dry_run_world_size", config.job.dry_run_world_size >= 0, "must be >= 0 (0 = as launched)"),
+        ("job.signal_check_interval", config.job.signal_check_interval >= 1, "must be >= 1"),
         (
             "training.dataset_path",
             t.dataset == "python_docs" or t.dataset_path != "",

@@ -28,6 +28,11 @@ class Job:
     dry_run_world_size: int = 0
     """The world size a dry run checks; 0 = the processes launched."""
 
+    signal_check_interval: int = 10
+    """Every this many steps the ranks agree (one small host all-reduce) on whether any of them got
+    a stop signal (SIGTERM, SIGUSR1, Ctrl-C); the run then stops after that step, saving a
+    checkpoint when checkpointing is on. A single process checks every step."""
+
 
 @dataclass
 class Model:

@@ -1,35 +1,87 @@
-"""What a model family hands to the rest of the repository: one ModelSpec per folder under models/."""
+"""The contract between a model family and the rest of the repository.
+
+A family is a folder under models/ whose __init__.py defines `spec = ModelSpec(...)`, registered by
+one line in models/__init__.py. parallelisms/, training/ and checkpoint/ rely on what this file
+writes down and on nothing else of a model: the model class (`TrainableModel`), the names of the
+modules around its blocks (`head`, `tail`), its tensor-parallel plan and its Hugging Face adapter.
+"""
 
 import dataclasses
 import difflib
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from configs import UserError
 from configs.loader import parse_scalar
+
+
+class TrainableModel(Protocol):
+    """What `spec.model_cls(args)` builds (plain PyTorch, no distributed code).
+
+    The args are a dataclass with at least `vocab_size` (0 = the tokenizer's) and `max_seq_len`
+    (set to training.seq_len).
+    """
+
+    layers: nn.ModuleDict
+    """The repeated blocks, keyed "0", "1", ...: FSDP shards each one, activation checkpointing and
+    torch.compile wrap each one, pipeline stages keep some of them by key, so parameter names
+    (`layers.7.attention.wq.weight`) are the same on every layout."""
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab). A pipeline stage sets the head or tail
+        modules it does not hold to None: without the head, forward takes hidden states instead
+        of tokens; without the tail it returns hidden states."""
+        ...
+
+    def init_weights(self) -> None:
+        """Random init from torch's global RNG, each module initializing its own subtree; every
+        module's init_weights() that the weight init may call takes no arguments (it runs on a
+        meta-device copy with one real parameter at a time, seeded by that parameter's name)."""
+        ...
+
+    def init_buffers(self, positions: torch.Tensor | None = None) -> None:
+        """Fill non-parameter tensors (RoPE tables) after materialization; positions are the
+        sequence positions this rank holds (context parallelism), default all."""
+        ...
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token, for TFLOP/s and MFU."""
+        ...
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """torch's parallel styles by module name: `root` for modules outside the blocks (names in the
+    full model), `block` for modules inside every block of `layers` (names within a block)."""
+
+    root: dict[str, ParallelStyle]
+    block: dict[str, ParallelStyle]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     model_cls: type[nn.Module]
-    """Built as model_cls(args). It must provide init_weights() (random init from torch's global
-    RNG, each module initializing its own subtree), init_buffers() and flops_per_token(seq_len)."""
+    """Built as model_cls(args); provides what TrainableModel describes."""
     flavors: dict[str, Any]
-    """Flavor name -> args dataclass, which must have the fields vocab_size and max_seq_len."""
+    """Flavor name -> args dataclass."""
+    head: tuple[str, ...]
+    """Modules that run before the blocks (the embedding): only the first pipeline stage holds them."""
+    tail: tuple[str, ...]
+    """Modules that run after the blocks (final norm, output projection): only the last stage."""
     state_dict_adapter: Any = None
-    """Converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
-    parallelize_plan: Callable | None = None
-    """plan(model, tp_mesh, loss_parallel): applies the family's tensor-parallel plan in place."""
-    tensor_parallel_sizes: Callable | None = None
-    """sizes(args) -> {name: size} that the tensor-parallel degree must divide."""
-    pipeline_split: Callable | None = None
-    """split(args) -> (head, layers, tail) module names: modules that only the first stage holds,
-    the layers spread over the stages in order, and modules that only the last stage holds."""
+    """adapter(args): converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
+    tensor_parallel_plan: Callable[[Any, bool], TensorParallelPlan] | None = None
+    """plan(args, loss_parallel): how tensor parallelism splits the model (None: not supported).
+    With loss_parallel the output projection must leave the logits sharded over the vocabulary."""
+    tensor_parallel_sizes: Callable[[Any], dict[str, int]] | None = None
+    """sizes(args) -> {what: size} that the tensor-parallel degree must divide."""
 
 
 def model_args(

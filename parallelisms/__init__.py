@@ -10,6 +10,8 @@ compile.py           torch.compile per block
 fsdp.py              FSDP2 / HSDP
 """
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -27,14 +29,16 @@ from parallelisms.tensor_parallel import apply_tensor_parallel
 def parallelize(
     model: nn.Module,
     spec: ModelSpec,
+    args: Any,
     dims: ParallelDims,
     mesh: Meshes,
     config: JobConfig,
     device: torch.device,
+    param_dtype: torch.dtype,
 ) -> None:
     """Apply the parallelisms to a meta-device model, in place, in this order (the order matters):
 
-    (Pipeline splitting comes before: train.py calls this once per stage.)
+    (Pipeline splitting comes before: training/model_setup.py calls this once per stage.)
     1. float8: Linear layers become torchao Float8Linear (before any sharding sees them)
     2. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
        the loss is computed on vocabulary shards when loss parallelism is on
@@ -49,7 +53,8 @@ def parallelize(
     if config.float8.enable:
         apply_float8(model, config.float8)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, spec, mesh["tp"], config.parallelism.enable_loss_parallel)
+        plan = spec.tensor_parallel_plan(args, config.parallelism.enable_loss_parallel)
+        apply_tensor_parallel(model, plan, spec.head, mesh["tp"])
     if dims.cp_enabled:
         apply_context_parallel(model, mesh["cp"])
     apply_activation_checkpointing(model, config.activation_checkpoint)
@@ -57,11 +62,10 @@ def parallelize(
         # The context-parallel attention's collectives break the graph; elsewhere one graph per block.
         apply_compile(model, fullgraph=not dims.cp_enabled)
     if dims.fsdp_enabled:
-        bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
         apply_fsdp(
             model,
             mesh["fsdp"],
-            param_dtype=torch.bfloat16 if bf16 else torch.float32,
+            param_dtype=param_dtype,
             reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
         )

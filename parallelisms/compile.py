@@ -1,5 +1,6 @@
 """torch.compile per transformer block (and the loss), and the check that nothing recompiles."""
 
+import contextlib
 import logging
 
 import torch
@@ -38,26 +39,28 @@ def compiled_frames() -> int:
 
 
 class RecompileWatch:
-    """Everything is compiled in the first two steps (the second may differ in grad state); any
-    compilation after that means shapes or guards changed, which makes steps slow: warn."""
+    """Counts frames compiled after warm-up, which means shapes or guards changed and steps run
+    slowly meanwhile: warns when it happens. Training compiles everything in its first two steps
+    (the second may differ in grad state), evaluation in its first batch."""
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
-        self.baseline: int | None = None
-        self.reported = 0
+        self.calls: dict[str, int] = {}
+        self.recompiled = 0
 
-    def warmed_up(self) -> None:
-        if self.enabled:
-            self.baseline = compiled_frames()
-
-    def recompiles(self) -> int:
-        """Frames compiled since warm-up (warns when the number grows)."""
-        if not self.enabled or self.baseline is None:
-            return 0
-        count = compiled_frames() - self.baseline
-        if count > self.reported:
+    @contextlib.contextmanager
+    def watch(self, kind: str, warm_up_calls: int):
+        """Around one call of `kind` ("train", "eval"); frames it compiles after the first
+        warm_up_calls calls of that kind count as recompilations."""
+        before = compiled_frames() if self.enabled else 0
+        yield
+        if not self.enabled:
+            return
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        new = compiled_frames() - before
+        if new and self.calls[kind] > warm_up_calls:
+            self.recompiled += new
             logger.warning(
-                f"torch.compile compiled {count} more frames after warm-up; steps are slow meanwhile"
+                f"torch.compile compiled {new} more frames in {kind} call {self.calls[kind]}; steps are "
+                "slow meanwhile (shapes or guards changed)"
             )
-            self.reported = count
-        return count

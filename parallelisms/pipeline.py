@@ -142,9 +142,13 @@ def keep_only(model: nn.Module, keep: list[str], candidates: list[str]) -> nn.Mo
     return stage
 
 
-def split_model(model: nn.Module, module_names: tuple, config: Parallelism, pp_mesh: DeviceMesh):
-    """This rank's stage modules and their stage indices (and the total number of stages)."""
-    head, layers, tail = module_names
+def split_model(
+    model: nn.Module, head: tuple[str, ...], tail: tuple[str, ...], config: Parallelism, pp_mesh: DeviceMesh
+) -> tuple[list[nn.Module], list[int], int]:
+    """This rank's stages (copies of the model holding only their modules), their stage indices,
+    and the total number of stages. head/tail: the modules before and after model.layers."""
+    head, tail = list(head), list(tail)
+    layers = [f"layers.{key}" for key in model.layers]
     groups = stage_module_names(head, layers, tail, config, pp_mesh.size())
     indices = stages_of_rank(
         pp_mesh.get_local_rank(), pp_mesh.size(), len(groups), config.pipeline_parallel_schedule

@@ -21,7 +21,8 @@ def read(path: Path) -> dict[int, dict]:
     records = {}
     for line in file.read_text().splitlines():
         record = json.loads(line)
-        records[record["step"]] = record  # later lines (after a resume) win
+        # A step's validation record joins its training record; later lines (after a resume) win.
+        records.setdefault(record["step"], {}).update(record)
     return dict(sorted(records.items()))
 
 

@@ -178,7 +178,10 @@ def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
     ]
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+@pytest.mark.parametrize(
+    "sig, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"]
+)
+def test_stop_signal_saves_and_exits_cleanly(sig, exit_code, tmp_path):
     folder = tmp_path / "preempted"
     log = tmp_path / "run.log"
     process = start_train([*COMMON, *SINGLE, "--training.steps", "100000", "--checkpoint.interval", "100000",
@@ -186,13 +189,14 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     deadline = time.time() + 120
     while not (folder / "metrics.jsonl").exists() and time.time() < deadline:
         time.sleep(0.05)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 0
+    process.send_signal(sig)
+    assert process.wait(timeout=120) == exit_code
     output = log.read_text()
-    saved = [line for line in output.splitlines() if "preempted (SIGTERM): saved" in line]
-    assert len(saved) == 1
+    assert "Traceback" not in output
+    saved = [line for line in output.splitlines() if f"stopped by {sig.name} after step" in line]
+    assert len(saved) == 1, output[-2000:]
     step = max(r["step"] for r in read_metrics(folder))
-    assert str(folder / "checkpoint" / f"step-{step}") in saved[0]
+    assert saved[0].endswith(f"saved {folder / 'checkpoint' / f'step-{step}'}")
     assert (folder / "checkpoint" / f"step-{step}" / ".metadata").exists()
 
 

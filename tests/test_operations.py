@@ -15,33 +15,51 @@ from training.nonfinite import NonFiniteError, NonFiniteGuard
 EXPLODE = [*TINY, "--training.steps", "6", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
 
 
-def test_nonfinite_step_stops_before_the_update(tmp_path):
-    result = run_train([*EXPLODE, "--job.dump_folder", str(tmp_path)], check=False)
+def test_nonfinite_step_stops_and_nothing_after_it_is_saved(tmp_path):
+    """The guard runs on the device and is read at logging (every 4 steps here) and before every save
+    (step 3): the save is refused, the error names the first bad step."""
+    saving = ["--metrics.log_freq", "4", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    result = run_train([*EXPLODE, *saving, "--job.dump_folder", str(tmp_path)], check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 1 and len(errors) == 1
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-2000:]
     assert errors[0].startswith("error: step 2: the loss or the gradients are not finite")
-    assert "stopped before the optimizer update" in errors[0]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert "no update made from that step on" in errors[0]
+    assert not (tmp_path / "checkpoint" / "step-3").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_nonfinite_steps_skipped_up_to_a_limit(tmp_path):
     skip = ["--training.nonfinite_policy", "skip", "--training.max_skipped_steps", "2"]
     result = run_train([*EXPLODE, *skip, "--job.dump_folder", str(tmp_path)], check=False)
     assert result.returncode == 1
-    assert result.stdout.count("update skipped") == 2
+    assert result.stdout.count("update was skipped") == 2
     assert "error: step 4: the loss or the gradients are not finite" in result.stderr
-    assert "3 steps skipped, more than training.max_skipped_steps" in result.stderr
+    assert "3 steps skipped, more than training.max_skipped_steps (2)" in result.stderr
 
 
-def test_guard_off_never_reads_the_norm():
-    class Untouchable(torch.Tensor):
-        def __bool__(self):
-            raise AssertionError("read on the host")
+class Untouchable(torch.Tensor):
+    """A tensor that fails when the host reads it (as a device synchronization would)."""
 
-    norm = torch.tensor(float("nan")).as_subclass(Untouchable)
-    assert NonFiniteGuard("off", 0).allows_update(norm, 3)
+    def __bool__(self):
+        raise AssertionError("read on the host")
+
+    item = __int__ = __float__ = __bool__
+
+
+def test_guard_decides_on_the_device_and_reads_only_in_check():
+    nan, finite = float("nan"), 2.0
+    untouchable = lambda value: torch.tensor(value).as_subclass(Untouchable)
+    cpu = torch.device("cpu")
+    assert NonFiniteGuard("off", 0, cpu).skip_update(untouchable(nan), 3) is None
+    flags = []
+    for guard in (NonFiniteGuard("stop", 0, cpu), NonFiniteGuard("skip", 5, cpu)):
+        flags.append([guard.skip_update(untouchable(norm), step).tolist() for step, norm in
+                      ((2, finite), (3, nan), (4, finite))])  # fmt: skip
+    assert flags == [[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]  # stop: every later update is skipped too
+    guard = NonFiniteGuard("stop", 0, cpu)
+    for step, norm in ((2, finite), (3, nan), (4, finite)):
+        guard.skip_update(torch.tensor(norm), step)
     with pytest.raises(NonFiniteError, match="step 3"):
-        NonFiniteGuard("stop", 0).allows_update(torch.tensor(float("inf")), 3)
+        guard.check()
 
 
 VALIDATE = [*TINY, "--training.steps", "4", "--training.global_batch_size", "8", "--validation.enable",

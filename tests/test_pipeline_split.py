@@ -81,8 +81,8 @@ def test_stages_keep_the_names_of_the_full_model():
     args = model_args(spec, "tiny", 16, 258)
     with torch.device("meta"):
         model = spec.model_cls(args)
-    head, body, tail = spec.pipeline_split(args)
-    middle = keep_only(model, ["layers.1", "layers.2"], [*head, *body, *tail])
+    body = [f"layers.{key}" for key in model.layers]
+    middle = keep_only(model, ["layers.1", "layers.2"], [*spec.head, *body, *spec.tail])
     names = [name for name, _ in middle.named_parameters()]
     assert names and all(name.startswith(("layers.1.", "layers.2.")) for name in names)
     assert middle.tok_embeddings is None and middle.output is None and middle.norm is None

@@ -15,6 +15,10 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -39,8 +43,7 @@ def select_device(choice: str) -> torch.device:
     # Growable allocator segments: far less memory lost to fragmentation between steps of different
     # allocation patterns (accumulation, pipeline micro-batches). Read when CUDA starts, so set it first.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank)
+    device = torch.device("cuda", local_rank())
     torch.cuda.set_device(device)
     return device
 

@@ -6,10 +6,11 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def global_grad_norm(
-    parameters: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None
+def clip_grad_norm_(
+    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """The L2 norm of all gradients of the model, on every rank.
+    """Scale the gradients so that their global L2 norm is at most max_norm (0: leave them), and
+    return that norm (on the device, the same on every rank; nothing is read on the host).
 
     pp_group: with pipeline parallelism each stage holds some parameters; their norms are combined.
     """
@@ -21,11 +22,6 @@ def global_grad_norm(
         squared = total**2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
-
-
-@torch.no_grad()
-def clip_grads_(parameters: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients so that their global norm is at most max_norm (inf: leave them)."""
-    if max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)

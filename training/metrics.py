@@ -6,6 +6,7 @@ TFLOP/s per device = tps x flops_per_token, where flops_per_token is the model's
 the device's peak dense bf16 rate.
 """
 
+import contextlib
 import json
 import logging
 import resource
@@ -74,6 +75,7 @@ class MetricsLogger:
         flops_per_token: float,
         total_steps: int,
         peak: float | None,
+        log_freq: int,
         write: bool,
         enable_tensorboard: bool,
     ):
@@ -83,6 +85,7 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.total_steps = total_steps
         self.peak = peak
+        self.log_freq = log_freq
         self.write = write  # only one rank writes files
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
         self.tensorboard = None
@@ -92,20 +95,33 @@ class MetricsLogger:
             self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"))
         self.last_time = time.perf_counter()
         self.last_step = 0
+        self.paused_seconds = 0.0  # in the current window, not training (validation, saves)
 
     def start(self, step: int) -> None:
-        """Restart the clock (after set-up, or after a pause such as a checkpoint save)."""
-        self.last_time, self.last_step = time.perf_counter(), step
+        """Start the clock: training runs from here, after set-up, from step + 1."""
+        self.last_time, self.last_step, self.paused_seconds = time.perf_counter(), step, 0.0
 
-    def first_step_done(self, start_time: float) -> None:
+    def first_step_done(self, step: int, start_time: float) -> None:
         """Log how long start-up, initialization and the first step (with any compilation) took."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        logger.info(f"step 1 done {time.time() - start_time:.1f} s after start")
+        logger.info(f"step {step} done {time.time() - start_time:.1f} s after start")
+
+    def due(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step == self.total_steps
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is not training time: tok/s, MFU and ETA leave it out."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_seconds += time.perf_counter() - start
 
     def log(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
         now = time.perf_counter()
-        step_time = (now - self.last_time) / max(step - self.last_step, 1)
+        step_time = (now - self.last_time - self.paused_seconds) / max(step - self.last_step, 1)
         tps = self.tokens_per_step / step_time / self.world_size
         tflops = tps * self.flops_per_token / 1e12
         record = {
@@ -126,16 +142,29 @@ class MetricsLogger:
             f"lr {lr:.2e} | tok/s {tps:,.0f} | tflops {tflops:.1f} | mfu {mfu} | "
             f"mem {record['memory_gib']:.2f} GiB | eta {eta}"
         )
-        if self.write:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self.tensorboard is not None:
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)):
-                        self.tensorboard.add_scalar(key, value, step)
-                self.tensorboard.flush()
-        self.last_time, self.last_step = time.perf_counter(), step
+        self._write(record)
+        self.start(step)
         return record
+
+    def log_validation(self, step: int, results: dict[str, float]) -> None:
+        """A validation record of its own (step, val_loss, val_perplexity), logged after the
+        training record of the same step."""
+        logger.info(
+            f"step {step:>{len(str(self.total_steps))}} | validation loss {results['val_loss']:.4f} | "
+            f"perplexity {results['val_perplexity']:.2f}"
+        )
+        self._write({"step": step, **results})
+
+    def _write(self, record: dict) -> None:
+        if not self.write:
+            return
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
 
     def close(self) -> None:
         if self.tensorboard is not None:

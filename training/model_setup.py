@@ -1,17 +1,48 @@
-"""The model a config names, checked against the parallel layout before anything is built.
+"""The model a config names: checked against the layout, built on the meta device, split into
+pipeline stages and parallelized, then (for training) materialized and initialized.
 
-train.py and the dry run (training/dry_run.py) both start here, so a config that one accepts the
-other accepts too.
+train.py and the dry run (training/dry_run.py) both build through here, so a config that one
+accepts the other accepts too, and both see the same sharded model.
 """
 
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import nn
+
+from configs import UserError
 from configs.schema import JobConfig
 from data.tokenizer import Tokenizer, build_tokenizer
 from models import check_flavor, get_model_spec
 from models.spec import ModelSpec, model_args
-from parallelisms import ParallelDims
-from parallelisms.pipeline import check_schedule
+from parallelisms import ParallelDims, parallelize
+from parallelisms.context_parallel import local_positions
+from parallelisms.parallel_dims import Meshes
+from parallelisms.pipeline import check_schedule, split_model
+from training.weight_init import init_weights, materialize
+
+
+@dataclass
+class BuiltModel:
+    spec: ModelSpec
+    tokenizer: Tokenizer
+    args: Any
+    parts: list[nn.Module]
+    """What this rank runs: the model, or its pipeline stages (full-model parameter names)."""
+    stage_indices: list[int]
+    num_stages: int
+    num_params: int
+    """Of the whole (unsplit, unsharded) model."""
+    flops_per_token: float
+    compute_dtype: torch.dtype
+    """Dtype of the matmuls: bfloat16 on CUDA unless training.mixed_precision_param says float32;
+    float32 on CPU, where bf16 matmuls are far slower. Master weights are float32 either way."""
+
+
+def compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
+    bf16 = device.type == "cuda" and config.training.mixed_precision_param == "bfloat16"
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def resolve_model(config: JobConfig, dims: ParallelDims) -> tuple[ModelSpec, Tokenizer, Any]:
@@ -25,7 +56,45 @@ def resolve_model(config: JobConfig, dims: ParallelDims) -> tuple[ModelSpec, Tok
     )
     dims.check_sequence_split(config.training.seq_len)
     if dims.tp_enabled:
+        if spec.tensor_parallel_plan is None:
+            raise UserError(f"model {spec.name} has no tensor-parallel plan (ModelSpec.tensor_parallel_plan)")
         dims.check_divisibility(spec.tensor_parallel_sizes(args))
     if dims.pp_enabled:
         check_schedule(config.parallelism, dims.fsdp_enabled)
     return spec, tokenizer, args
+
+
+def build_model(
+    config: JobConfig, dims: ParallelDims, mesh: Meshes, device: torch.device, initialize: bool = True
+) -> BuiltModel:
+    """initialize=False (dry run) leaves the parallelized parts on the meta device."""
+    spec, tokenizer, args = resolve_model(config, dims)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = model.flops_per_token(config.training.seq_len)
+    # Pipeline parallelism first cuts the model into this rank's stages (keeping parameter names);
+    # every part then goes through the same chain of parallelisms.
+    parts, stage_indices, num_stages = [model], [0], 1
+    if dims.pp_enabled:
+        parts, stage_indices, num_stages = split_model(
+            model, spec.head, spec.tail, config.parallelism, mesh["pp"]
+        )
+    dtype = compute_dtype(config, device)
+    for part in parts:
+        parallelize(part, spec, args, dims, mesh, config, device, dtype)
+    if initialize:
+        with torch.device("meta"):
+            template = spec.model_cls(args)  # unsharded reference for layout-independent init
+        # A context-parallel rank holds some chunks of every sequence: these token positions.
+        positions = None
+        if dims.cp_enabled:
+            positions = local_positions(config.training.seq_len, mesh["cp"].get_local_rank(), dims.cp)
+        for part in parts:
+            materialize(part, device)
+            init_weights(part, template, config.job.seed)
+            part.init_buffers(positions)
+            part.train()
+    return BuiltModel(
+        spec, tokenizer, args, parts, stage_indices, num_stages, num_params, flops_per_token, dtype
+    )

@@ -74,9 +74,22 @@ class Optimizers:
                 group["lr"] = lr
         return lr
 
-    def step(self) -> None:
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """One update of every part; skip: a device flag (0. or 1.) that cancels the update.
+
+        Fused AdamW reads the flag on the device (as found_inf, the hook torch's gradient scaler
+        uses): moments, step counts and weights stay untouched, with no synchronization. The other
+        implementations read it on the host: free on the CPU, one synchronization on CUDA.
+        """
         for optimizer in self.parts:
-            optimizer.step()
+            if skip is None:
+                optimizer.step()
+            elif optimizer.defaults.get("fused"):
+                optimizer.found_inf = skip
+                optimizer.step()
+                del optimizer.found_inf
+            elif not skip.item():
+                optimizer.step()
 
     def zero_grad(self) -> None:
         for optimizer in self.parts:

@@ -1,10 +1,10 @@
 """Llama 3 family: flavors with Meta's shapes, and the spec that registers them."""
 
+from models.decoder_plans import HEAD, TAIL, tensor_parallel_sizes
 from models.llama3.model import Llama3Args, Transformer
-from models.llama3.parallelize import apply_tensor_parallel_plan
+from models.llama3.parallelize import tensor_parallel_plan
 from models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from models.spec import ModelSpec
-from parallelisms.tensor_parallel import decoder_tensor_parallel_sizes
 
 flavors = {
     # Tiny shapes for tests and laptops; vocab_size 0 = the tokenizer's (byte tokenizer: 258 -> 320).
@@ -44,17 +44,13 @@ flavors = {
 }
 
 
-def pipeline_split(args: Llama3Args) -> tuple[list[str], list[str], list[str]]:
-    """Modules of the first stage only, the layers to spread over stages, modules of the last only."""
-    return ["tok_embeddings"], [f"layers.{i}" for i in range(args.n_layers)], ["norm", "output"]
-
-
 spec = ModelSpec(
     name="llama3",
     model_cls=Transformer,
     flavors=flavors,
     state_dict_adapter=Llama3StateDictAdapter,
-    parallelize_plan=apply_tensor_parallel_plan,
-    tensor_parallel_sizes=decoder_tensor_parallel_sizes,
-    pipeline_split=pipeline_split,
+    head=HEAD,
+    tail=TAIL,
+    tensor_parallel_plan=tensor_parallel_plan,
+    tensor_parallel_sizes=tensor_parallel_sizes,
 )

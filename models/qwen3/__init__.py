@@ -1,10 +1,10 @@
 """Qwen3 dense family: flavors with the official shapes, and the spec that registers them."""
 
+from models.decoder_plans import HEAD, TAIL, tensor_parallel_sizes
 from models.qwen3.model import Qwen3Args, Transformer
-from models.qwen3.parallelize import apply_tensor_parallel_plan
+from models.qwen3.parallelize import tensor_parallel_plan
 from models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 from models.spec import ModelSpec
-from parallelisms.tensor_parallel import decoder_tensor_parallel_sizes
 
 V = 151936  # Qwen3 vocabulary
 
@@ -30,17 +30,13 @@ flavors = {
 }  # fmt: skip
 
 
-def pipeline_split(args: Qwen3Args) -> tuple[list[str], list[str], list[str]]:
-    """Modules of the first stage only, the layers to spread over stages, modules of the last only."""
-    return ["tok_embeddings"], [f"layers.{i}" for i in range(args.n_layers)], ["norm", "output"]
-
-
 spec = ModelSpec(
     name="qwen3",
     model_cls=Transformer,
     flavors=flavors,
     state_dict_adapter=Qwen3StateDictAdapter,
-    parallelize_plan=apply_tensor_parallel_plan,
-    tensor_parallel_sizes=decoder_tensor_parallel_sizes,
-    pipeline_split=pipeline_split,
+    head=HEAD,
+    tail=TAIL,
+    tensor_parallel_plan=tensor_parallel_plan,
+    tensor_parallel_sizes=tensor_parallel_sizes,
 )

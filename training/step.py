@@ -1,0 +1,103 @@
+"""What runs one optimizer step's forward and backward on this rank, whatever the layout.
+
+train.py hands over the rank's micro-batches of a step; this module applies the layout to them:
+context-parallel ranks keep their chunks of each sequence, pipeline stages run them through one
+schedule (one gradient reduction), otherwise micro-batches run one after the other with FSDP's
+gradient reduction on the last only; loss parallelism and bf16 autocast wrap forward and
+backward. Losses stay on the device: the global loss is reduced only when someone reads it.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from configs.schema import JobConfig
+from parallelisms import ParallelDims
+from parallelisms.compile import RecompileWatch
+from parallelisms.context_parallel import local_positions, shard_sequences
+from parallelisms.fsdp import set_gradient_sync
+from parallelisms.parallel_dims import Meshes
+from parallelisms.pipeline import Pipeline, pipeline_microbatches
+from parallelisms.tensor_parallel import loss_parallel_context
+from training import distributed
+from training.loss import TokenNormalizedLoss
+from training.model_setup import BuiltModel
+
+
+class StepRunner:
+    def __init__(
+        self,
+        model: BuiltModel,
+        dims: ParallelDims,
+        mesh: Meshes,
+        config: JobConfig,
+        device: torch.device,
+        global_batch: int,
+        accumulation_steps: int,
+    ):
+        self.parts: list[nn.Module] = model.parts
+        self.device = device
+        self.positions = None  # a context-parallel rank keeps these positions of each sequence
+        if dims.cp_enabled:
+            self.positions = local_positions(config.training.seq_len, mesh["cp"].get_local_rank(), dims.cp)
+        # Compiled only on whole local logits: not on vocabulary shards (loss parallel) nor on TP's
+        # replicated logits (see FreshLocalOutput in parallelisms/tensor_parallel.py).
+        self.loss_fn = TokenNormalizedLoss(
+            global_batch * config.training.seq_len, compile=config.compile.enable and not dims.tp_enabled
+        )
+        self.pipeline = None
+        if dims.pp_enabled:
+            self.pipeline = Pipeline(
+                model.parts, model.stage_indices, model.num_stages, mesh["pp"], device,
+                config.parallelism.pipeline_parallel_schedule,
+                pipeline_microbatches(config, accumulation_steps), self.loss_fn,
+            )  # fmt: skip
+        # FSDP casts parameters itself; an unwrapped model computing in bf16 needs autocast.
+        self.bf16_autocast = model.compute_dtype == torch.bfloat16 and not dims.fsdp_enabled
+        self.loss_parallel = dims.tp_enabled and config.parallelism.enable_loss_parallel
+        # The loss is summed over the ranks holding different tokens, and over pipeline stages
+        # (only the last one has it).
+        self.loss_groups = [mesh["dp_cp"].get_group()]
+        if dims.pp_enabled:
+            self.loss_groups.append(mesh["pp"].get_group())
+        self.recompiles = RecompileWatch(config.compile.enable)
+
+    def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one step; returns this rank's share
+        of the step's loss (on the device; 0 on pipeline stages other than the last)."""
+        with self.recompiles.watch("train", warm_up_calls=2):
+            return self._run(micro_batches, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[dict]) -> float:
+        """The global loss of one global batch, without gradients (validation)."""
+        with self.recompiles.watch("eval", warm_up_calls=1):
+            return self.global_loss(self._run(micro_batches, train=False))
+
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        """The step's loss over all ranks (a device reduction and one host read)."""
+        total = local_loss.clone()
+        for group in self.loss_groups:
+            total = distributed.all_reduce_sum(total, group)
+        return total.item()
+
+    def _run(self, micro_batches: list[dict], train: bool) -> torch.Tensor:
+        if self.positions is not None:
+            micro_batches = [shard_sequences(batch, self.positions) for batch in micro_batches]
+        autocast = torch.autocast("cuda", torch.bfloat16) if self.bf16_autocast else contextlib.nullcontext()
+        with loss_parallel_context(self.loss_parallel), autocast:
+            if self.pipeline is not None:
+                # The schedule runs all of the step's micro-batches at once: one gradient reduction.
+                return self.pipeline.step(micro_batches, train)
+            (model,) = self.parts
+            step_loss = torch.zeros((), device=self.device)
+            for index, batch in enumerate(micro_batches):
+                set_gradient_sync(model, index == len(micro_batches) - 1)
+                logits = model(batch["input"].to(self.device, non_blocking=True))
+                loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
+                del logits
+                if train:
+                    loss.backward()
+                step_loss += loss.detach()
+            return step_loss
