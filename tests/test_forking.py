@@ -52,7 +52,7 @@ def test_forked_model_trains_under_fsdp_and_tp(tmp_path):
         "8",
     ]
     run_train([*plain, "--job.dump_folder", str(tmp_path / "llama")], repo=repo, cwd=repo)
-    assert read_metrics(tmp_path / "llama")[-1]["loss"] != a[-1]["loss"]
+    assert abs(read_metrics(tmp_path / "llama")[-1]["loss"] - a[-1]["loss"]) > 1e-3
 
 
 def test_guide_commands_match_the_steps():

@@ -17,7 +17,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Peak dense bf16 TFLOP/s (no sparsity) from the vendors' datasheets, matched against the GPU name.
+# Peak dense bf16 TFLOP/s (no sparsity) from the vendors' datasheets; the first key that the GPU's
+# name contains wins, so a more specific name comes first.
 PEAK_BF16_TFLOPS = [
     ("H100 PCIe", 756.0),
     ("H100", 989.4),  # SXM
@@ -25,8 +26,8 @@ PEAK_BF16_TFLOPS = [
     ("H800", 989.4),
     ("A100", 312.0),
     ("A800", 312.0),
+    ("GB200", 2500.0),  # before B200, which its name contains
     ("B200", 2250.0),
-    ("GB200", 2500.0),
 ]
 
 

@@ -1,0 +1,151 @@
+"""The multi-GPU suite: every layout that fits the machine's GPUs against one GPU, on CUDA and NCCL.
+
+    bash scripts/gpu_tests.sh            # on a machine with 2 or more GPUs; results in gpu_results.jsonl
+
+Each test is a real `torchrun ... train.py` launch of the debug model; the reference is the same
+config on one GPU. On a machine with fewer GPUs than a test needs it is skipped, with the reason.
+Bars (docs/validation.md says where they come from):
+  fp32   step 1 within 1e-6 and every step within FP32_BAR (relative; loss and grad norm)
+  bf16   every step within BF16_BAR of the one-GPU bf16 run
+Every result is also appended to $GPU_RESULTS (a JSON line per run: the largest relative difference
+at step 1 and over all steps), from which docs/validation.md's table is written.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import read_metrics, run_train
+
+pytestmark = pytest.mark.gpu
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+STEPS = 20
+FP32_BAR = 1e-4
+BF16_BAR = 2e-2
+COMMON = [
+    "--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", str(STEPS),
+    "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+    "--metrics.enable_tensorboard", "false", "--training.device", "cuda",
+]  # fmt: skip
+FP32 = ["--training.mixed_precision_param", "float32"]
+BF16 = ["--training.mixed_precision_param", "bfloat16"]
+TP2, PP2, CP2 = (
+    f"--parallelism.{key}_parallel_degree 2".split() for key in ("tensor", "pipeline", "context")
+)
+SCHEDULE = "--parallelism.pipeline_parallel_schedule"
+
+
+def gpus(n: int):
+    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} CUDA GPUs, this machine has {GPUS}")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One-GPU runs, one per precision and extra overrides, made on first use."""
+    made = {}
+
+    def reference(precision: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
+        key = (*precision, *extra)
+        if key not in made:
+            folder = tmp_path_factory.mktemp("single")
+            run_train([*COMMON, *precision, *extra, "--training.local_batch_size", "8",
+                       "--job.dump_folder", str(folder)], nproc=1)  # fmt: skip
+            made[key] = read_metrics(folder)
+        return made[key]
+
+    return reference
+
+
+def differences(records: list[dict], reference: list[dict]) -> dict[str, float]:
+    assert [r["step"] for r in records] == [r["step"] for r in reference]
+    rel = lambda key, a, b: abs(a[key] - b[key]) / abs(b[key])
+    pairs = list(zip(records, reference))
+    return {
+        "step1": max(rel(key, *pairs[0]) for key in ("loss", "grad_norm")),
+        "loss": max(rel("loss", a, b) for a, b in pairs),
+        "grad_norm": max(rel("grad_norm", a, b) for a, b in pairs),
+    }
+
+
+def record(name: str, nproc: int, found: dict[str, float]) -> None:
+    if os.environ.get("GPU_RESULTS"):
+        with open(os.environ["GPU_RESULTS"], "a") as f:
+            f.write(json.dumps({"layout": name, "gpus": nproc, **found}) + "\n")
+
+
+# name: (GPUs, overrides); the global batch is 8 on every layout.
+FP32_LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+    "hsdp2x1": (2, ["--training.local_batch_size", "4", "--parallelism.data_parallel_replicate_degree", "2"]),
+    "tp2": (2, ["--training.local_batch_size", "8", *TP2]),
+    "tp2_no_loss_parallel": (2, ["--training.local_batch_size", "8", *TP2,
+                                 "--parallelism.enable_loss_parallel", "false"]),
+    "pp2_1F1B": (2, ["--training.local_batch_size", "8", *PP2]),
+    "pp2_Interleaved1F1B": (2, ["--training.local_batch_size", "8", *PP2, SCHEDULE, "Interleaved1F1B"]),
+    "pp2_ZBVZeroBubble": (2, ["--training.local_batch_size", "8", *PP2, SCHEDULE, "ZBVZeroBubble"]),
+    "cp2": (2, ["--training.local_batch_size", "8", *CP2]),
+    "fsdp2_compile": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
+    "tp2_compile": (2, ["--training.local_batch_size", "8", *TP2, "--compile.enable"]),
+    # Four GPUs and more.
+    "pp2_fsdp2_1F1B": (4, ["--training.local_batch_size", "4", *PP2]),
+    "pp2_fsdp2_Interleaved1F1B": (4, ["--training.local_batch_size", "4", *PP2, SCHEDULE, "Interleaved1F1B"]),
+    "fsdp2_tp2": (4, ["--training.local_batch_size", "4", *TP2]),
+    "pp2_tp2": (4, ["--training.local_batch_size", "8", *PP2, *TP2]),
+    "cp2_tp2": (4, ["--training.local_batch_size", "8", *CP2, *TP2]),
+    "pp2_fsdp2_tp2": (8, ["--training.local_batch_size", "4", *PP2, *TP2, SCHEDULE, "Interleaved1F1B"]),
+    "pp2_cp2_tp2": (8, ["--training.local_batch_size", "8", *PP2, *CP2, *TP2]),
+}  # fmt: skip
+CASES = [pytest.param(name, marks=gpus(nproc), id=name) for name, (nproc, _) in FP32_LAYOUTS.items()]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fp32_layout_matches_one_gpu(name, single, tmp_path):
+    nproc, overrides = FP32_LAYOUTS[name]
+    run_train([*COMMON, *FP32, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    found = differences(read_metrics(tmp_path), single(FP32))
+    record(name, nproc, found)
+    assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
+
+
+BF16_LAYOUTS = {
+    "bf16_fsdp2": (2, ["--training.local_batch_size", "4"], ()),
+    "bf16_tp2": (2, ["--training.local_batch_size", "8", *TP2], ()),
+    "bf16_fsdp2_float8": (2, ["--training.local_batch_size", "4", "--float8.enable",
+                              "--float8.enable_fsdp_float8_all_gather"], ("--float8.enable",)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=gpus(g[0]), id=n) for n, g in BF16_LAYOUTS.items()])
+def test_bf16_layout_matches_one_gpu(name, single, tmp_path):
+    nproc, overrides, reference_extra = BF16_LAYOUTS[name]
+    run_train([*COMMON, *BF16, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    found = differences(read_metrics(tmp_path), single(BF16, reference_extra))
+    record(name, nproc, found)
+    assert found["loss"] < BF16_BAR, found
+
+
+@gpus(2)
+def test_checkpoint_reshards_fsdp2_tp2_one_gpu_pp2(single, tmp_path):
+    """Saved on FSDP 2, resumed on TP 2, then on one GPU, then on PP 2 (each leg from the previous
+    leg's checkpoint five steps on): the loss curve of one uninterrupted run."""
+    legs = [
+        (2, ["--training.local_batch_size", "4"]),
+        (2, ["--training.local_batch_size", "8", *TP2]),
+        (1, ["--training.local_batch_size", "8"]),
+        (2, ["--training.local_batch_size", "8", *PP2]),
+    ]
+    resumed = []
+    for leg, (nproc, overrides) in enumerate(legs):
+        folder = tmp_path / f"leg{leg}"
+        if leg:  # start from the previous leg's checkpoint of step 5 x leg
+            (folder / "checkpoint").mkdir(parents=True)
+            (tmp_path / f"leg{leg - 1}/checkpoint/step-{5 * leg}").rename(
+                folder / f"checkpoint/step-{5 * leg}"
+            )
+        saving = ["--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(folder)]
+        run_train([*COMMON, *FP32, *overrides, *saving], nproc=nproc)
+        resumed += [r for r in read_metrics(folder) if 5 * leg < r["step"] <= 5 * leg + 5]
+    found = differences(resumed, single(FP32))
+    record("reshard_fsdp2_tp2_1_pp2", 2, found)
+    assert found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
