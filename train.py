@@ -133,12 +133,11 @@ def train(argv: list[str]) -> None:
     # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
     train_state = TrainState(model=f"{spec.name} {config.model.flavor}")
     checkpointer = Checkpointer(
-        config.checkpoint, dump_folder, model_parts, optimizers, dataloader.dataset, train_state,
+        config.checkpoint, dump_folder, model_parts, optimizers, dataloader, train_state,
         spec.state_dict_adapter(args), config.training.steps,
     )  # fmt: skip
     checkpointer.load()
     preemption = PreemptionWatcher() if config.checkpoint.enable else None
-    batches = iter(dataloader)
 
     metrics = MetricsLogger(
         str(dump_folder),
@@ -195,7 +194,7 @@ def train(argv: list[str]) -> None:
     for step in range(first_step, config.training.steps + 1):
         profiler.step_begins(step)
         lr = optimizers.set_lr(step)
-        micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        micro_batches = dataloader.next_step()
         step_loss = forward_backward(micro_batches)
 
         grad_norm = global_grad_norm(parameters, mesh["pp"].get_group() if dims.pp_enabled else None)

@@ -50,7 +50,7 @@ class Checkpointer:
         dump_folder: Path,
         model_parts: list[nn.Module],
         optimizers,
-        dataset,
+        dataloader,
         train_state: TrainState,
         adapter,
         total_steps: int,
@@ -59,7 +59,7 @@ class Checkpointer:
         self.folder = dump_folder / config.folder
         self.model_parts = model_parts
         self.optimizers = optimizers
-        self.dataset = dataset
+        self.dataloader = dataloader  # anything with state_dict() / load_state_dict()
         self.train_state = train_state
         self.adapter = adapter
         self.total_steps = total_steps
@@ -78,7 +78,7 @@ class Checkpointer:
         if "train" in parts:
             state["train"] = self.train_state.to_dict()
         if "dataloader" in parts:
-            state["dataloader"] = self.dataset.state_dict()
+            state["dataloader"] = self.dataloader.state_dict()
         return state
 
     # ---- saving ----------------------------------------------------------------------------
@@ -201,7 +201,7 @@ class Checkpointer:
         if "train" in parts:
             self.train_state.load_dict(state["train"])
         if "dataloader" in parts:
-            self.dataset.load_state_dict(state["dataloader"])
+            self.dataloader.load_state_dict(state["dataloader"])
         logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")
 
     def _check_compatible(self, path: Path, saved: dict, parts: list[str]) -> None:

@@ -1,23 +1,36 @@
 """Where documents come from: local text files, Hugging Face datasets, or the bundled sample.
 
-Every source yields documents in one fixed order and can restart at any document index, which is
-what lets a run resume exactly (data/packing.py records positions as document indices).
+A source reads one epoch of documents in a fixed order and gives each with its position: a plain
+value (lists of ints, or a string) that restarts reading at that document directly, so a resume
+costs the same deep into a corpus as at its start (data/packing.py keeps it in the data state):
+
+    .txt      [file index]                       one document per file
+    .jsonl    [file index, byte offset of the line, line number]
+    .parquet  [file index, row group, row within the group]; the row group is read from its start
+    hf        the stream's own state_dict() (datasets >= 2.18) as a JSON string; datasets restarts
+              at the position's shard and skips the examples before it in that shard
+
 Token shards written by scripts/prepare_data.py are read by data/shards.py instead.
 """
 
 import glob
 import json
-from collections.abc import Callable, Iterator
-from itertools import islice
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 from configs import UserError
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent / "sample" / "python_docs.jsonl"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
-# A source: documents(start) yields the documents from index `start` on, once (one epoch).
-DocumentSource = Callable[[int], Iterator[str]]
+SourcePosition = Any  # a list of ints or a string, as the source defines it (see above)
+
+
+class DocumentSource(Protocol):
+    def documents(self, start: SourcePosition | None = None) -> Iterator[tuple[SourcePosition, str]]:
+        """One epoch of (position, text) from the document at `start` (None: the first) on."""
+        ...
 
 
 def find_text_files(dataset_path: str) -> list[Path]:
@@ -35,40 +48,54 @@ def find_text_files(dataset_path: str) -> list[Path]:
     return files
 
 
-def text_file_documents(files: list[Path], text_field: str) -> DocumentSource:
+class TextFiles:
     """.txt: one document per file; .jsonl: one per line; .parquet: one per row."""
 
-    def documents(start: int) -> Iterator[str]:
-        return islice(_all_documents(files, text_field), start, None)
+    def __init__(self, files: list[Path], text_field: str):
+        self.files = files
+        self.text_field = text_field
 
-    return documents
+    def documents(self, start: list[int] | None = None) -> Iterator[tuple[list[int], str]]:
+        first_file, *within_first = start or [0]
+        for index in range(first_file, len(self.files)):
+            within = within_first if index == first_file else []
+            suffix = self.files[index].suffix
+            if suffix == ".txt":
+                yield [index], self.files[index].read_text(encoding="utf-8", errors="replace")
+            elif suffix == ".jsonl":
+                yield from self._jsonl_documents(index, *within)
+            else:
+                yield from self._parquet_documents(index, *within)
 
-
-def _all_documents(files: list[Path], text_field: str) -> Iterator[str]:
-    for file in files:
-        yield from _file_documents(file, text_field)
-
-
-def _file_documents(file: Path, text_field: str) -> Iterator[str]:
-    if file.suffix == ".txt":
-        yield file.read_text(encoding="utf-8", errors="replace")
-    elif file.suffix == ".jsonl":
-        with file.open(encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, 1):
+    def _jsonl_documents(self, index: int, offset: int = 0, line_number: int = 1) -> Iterator:
+        file = self.files[index]
+        with file.open("rb") as lines:
+            lines.seek(offset)
+            for line in lines:
                 if line.strip():
-                    yield _text_of(json.loads(line), text_field, f"{file}:{line_number}")
-    else:
-        yield from _parquet_documents(file, text_field)
+                    text = _text_of(json.loads(line), self.text_field, f"{file}:{line_number}")
+                    yield [index, offset, line_number], text
+                offset += len(line)
+                line_number += 1
 
+    def _parquet_documents(self, index: int, first_group: int = 0, first_row: int = 0) -> Iterator:
+        import pyarrow.parquet as pq
 
-def _parquet_documents(file: Path, text_field: str) -> Iterator[str]:
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(file)
-    if text_field not in parquet.schema_arrow.names:
-        raise UserError(f"{file} has no column '{text_field}' (training.dataset_text_field)")
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=1024):
-        yield from (text or "" for text in batch.column(0).to_pylist())
+        file = self.files[index]
+        parquet = pq.ParquetFile(file)
+        if self.text_field not in parquet.schema_arrow.names:
+            raise UserError(f"{file} has no column '{self.text_field}' (training.dataset_text_field)")
+        for group in range(first_group, parquet.num_row_groups):
+            row = first_row if group == first_group else 0
+            # Batches bound the memory a large row group takes; rows before `row` are skipped.
+            batches = parquet.iter_batches(batch_size=1024, row_groups=[group], columns=[self.text_field])
+            batch_start = 0
+            for batch in batches:
+                texts = batch.column(0).to_pylist()[max(row - batch_start, 0) :]
+                for text in texts:
+                    yield [index, group, row], text or ""
+                    row += 1
+                batch_start += batch.num_rows
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
@@ -77,30 +104,40 @@ def _text_of(row: dict, text_field: str, where: str) -> str:
     return row[text_field]
 
 
-def hf_documents(name: str, subset: str, split: str, text_field: str) -> DocumentSource:
+class HFStream:
     """A Hugging Face dataset, streamed; needs the `datasets` package and network access."""
-    try:
-        import datasets
-    except ImportError:
-        raise UserError(
-            "training.dataset = 'hf' needs the `datasets` package (pip install datasets)"
-        ) from None
 
-    def documents(start: int) -> Iterator[str]:
-        stream = datasets.load_dataset(name, subset or None, split=split, streaming=True)
-        for row in stream.skip(start):
-            yield _text_of(row, text_field, f"dataset {name}")
+    def __init__(self, name: str, subset: str, split: str, text_field: str):
+        try:
+            import datasets
+        except ImportError:
+            raise UserError(
+                "training.dataset = 'hf' needs the `datasets` package (pip install datasets)"
+            ) from None
+        if not hasattr(datasets.IterableDataset, "load_state_dict"):
+            raise UserError("training.dataset = 'hf' needs datasets >= 2.18 (pip install -U datasets)")
+        self.load = lambda: datasets.load_dataset(name, subset or None, split=split, streaming=True)
+        self.name = name
+        self.text_field = text_field
 
-    return documents
+    def documents(self, start: str | None = None) -> Iterator[tuple[str, str]]:
+        stream = self.load()
+        if start is not None:
+            stream.load_state_dict(json.loads(start))
+        # The state after a document is the position of the next; datasets keeps it per example.
+        position = json.dumps(stream.state_dict())
+        for row in stream:
+            yield position, _text_of(row, self.text_field, f"dataset {self.name}")
+            position = json.dumps(stream.state_dict())
 
 
 def build_document_source(
     dataset: str, dataset_path: str, text_field: str, subset: str, split: str
 ) -> DocumentSource:
     if dataset == "python_docs":
-        return text_file_documents([SAMPLE_CORPUS], "text")
+        return TextFiles([SAMPLE_CORPUS], "text")
     if dataset == "text":
-        return text_file_documents(find_text_files(dataset_path), text_field)
+        return TextFiles(find_text_files(dataset_path), text_field)
     if dataset == "hf":
-        return hf_documents(dataset_path, subset, split, text_field)
+        return HFStream(dataset_path, subset, split, text_field)
     raise ValueError(f"not a document source: {dataset}")

@@ -52,7 +52,7 @@ def prepare(args: argparse.Namespace) -> None:
         pending, pending_tokens = [], 0
 
     batch: list[str] = []
-    for text in _with_end(documents(0)):
+    for text in _with_end(text for _, text in documents.documents()):
         if text is not None:
             batch.append(text)
         if batch and (len(batch) == 1024 or text is None):
