@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint import hf
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
 from configs import UserError
+from configs.errors import first_line
 from configs.schema import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -256,8 +257,3 @@ def _check_shapes(path: Path, saved: dict, ours: dict[str, tuple]) -> None:
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise UserError(f"checkpoint {path} holds a different model: {shown}")
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__

@@ -20,7 +20,7 @@ import numpy as np
 
 from configs import UserError
 from data.sources import DocumentSource, SourcePosition
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +43,9 @@ class PackedTextStream:
     def _tokenized_documents(self, epoch: int, start: SourcePosition | None) -> Iterator:
         """(epoch, source position, tokens + EOS) for each document from `start` on, epoch after epoch."""
         while True:
-            count = 0
-            for position, tokens in self._tokenize(self.source.documents(start)):
-                count += 1
+            for position, tokens in tokenize(self.source, self.tokenizer, start):
                 yield epoch, position, tokens
-            if count == 0 and start is None:
-                raise UserError("the dataset has no documents (training.dataset / dataset_path)")
             epoch, start = epoch + 1, None
-
-    def _tokenize(self, documents: Iterable[tuple[SourcePosition, str]]) -> Iterator:
-        eos = self.tokenizer.eos_id
-        for batch in _batches(documents):
-            positions, texts = zip(*batch)
-            for position, ids in zip(positions, self.tokenizer.encode_batch(list(texts))):
-                yield position, np.asarray(ids + [eos], dtype=np.int64)
 
     def samples(
         self, first_sample: int, anchor_token: int, anchor: Position
@@ -73,11 +62,15 @@ class PackedTextStream:
         # Pieces of documents in the buffer: (global token index where it starts, its position).
         pieces: list[tuple[int, Position]] = []
         skip = anchor[2]  # the anchor may sit inside its document
+        # No sample before a document with text: a corpus of empty documents is refused at the end
+        # of its first epoch (tokenize), before any sample of EOS alone is read.
+        text_seen = False
         for epoch, document, tokens in self._tokenized_documents(anchor[0], anchor[1]):
             pieces.append((buffer_start + len(buffer), (epoch, document, skip)))
             buffer = np.concatenate((buffer, tokens[skip:]))
             skip = 0
-            while buffer_start + len(buffer) >= k * length + length + 1:
+            text_seen = text_seen or len(tokens) > 1
+            while text_seen and buffer_start + len(buffer) >= k * length + length + 1:
                 start = k * length - buffer_start
                 window = buffer[start : start + length + 1]
                 yield k, _position_of(pieces, k * length), partial(np.copy, window)
@@ -113,9 +106,7 @@ class PackedTextStream:
             return anchor_token, (epoch, self._position_of_document(document), offset)
         return anchor_token, (epoch, document, offset)
 
-    def _position_of_document(self, index: int) -> SourcePosition | None:
-        if index == 0:
-            return None
+    def _position_of_document(self, index: int) -> SourcePosition:
         for count, (position, _) in enumerate(self.source.documents(None)):
             if count == index:
                 return position
@@ -123,6 +114,28 @@ class PackedTextStream:
             f"the checkpoint's data position (document {index}) is past the end of the dataset: "
             "was training.dataset_path changed?"
         )
+
+
+def tokenize(
+    source: DocumentSource, tokenizer: Tokenizer, start: SourcePosition | None = None
+) -> Iterator[tuple[SourcePosition, np.ndarray]]:
+    """One epoch of (position, tokens + EOS) from the document at `start` on, encoded in batches.
+
+    Refuses token ids outside the vocabulary, and an epoch read from its start that holds no text
+    (no documents, or only empty ones, which would train on EOS alone).
+    """
+    documents = with_text = 0
+    for batch in _batches(source.documents(start)):
+        positions, texts = zip(*batch)
+        for position, ids in zip(positions, tokenizer.encode_batch(list(texts))):
+            tokens = np.asarray(ids + [tokenizer.eos_id], dtype=np.int64)
+            check_token_ids(tokenizer, tokens, source.where(position))
+            documents += 1
+            with_text += len(tokens) > 1
+            yield position, tokens
+    if start is None and not with_text:
+        what = "no documents" if documents == 0 else f"only empty documents, {documents} of them"
+        raise UserError(f"the dataset has {what} (training.dataset / dataset_path)")
 
 
 def _batches(documents: Iterable[tuple[SourcePosition, str]]) -> Iterator[list[tuple[SourcePosition, str]]]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from configs import UserError
+from configs.errors import first_line
 
 SAMPLE_CORPUS = Path(__file__).resolve().parent / "sample" / "python_docs.jsonl"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -30,6 +31,10 @@ SourcePosition = Any  # a list of ints or a string, as the source defines it (se
 class DocumentSource(Protocol):
     def documents(self, start: SourcePosition | None = None) -> Iterator[tuple[SourcePosition, str]]:
         """One epoch of (position, text) from the document at `start` (None: the first) on."""
+        ...
+
+    def where(self, position: SourcePosition) -> str:
+        """Names the document at `position` in error messages (a file and line, a row)."""
         ...
 
 
@@ -73,35 +78,81 @@ class TextFiles:
             lines.seek(offset)
             for line in lines:
                 if line.strip():
-                    text = _text_of(json.loads(line), self.text_field, f"{file}:{line_number}")
+                    where = f"{file}:{line_number}"
+                    text = _text_of(_json_object(line, where), self.text_field, where)
                     yield [index, offset, line_number], text
                 offset += len(line)
                 line_number += 1
 
     def _parquet_documents(self, index: int, first_group: int = 0, first_row: int = 0) -> Iterator:
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         file = self.files[index]
-        parquet = pq.ParquetFile(file)
+        try:
+            parquet = pq.ParquetFile(file)
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{file} is not a Parquet file ({first_line(e)})") from None
         if self.text_field not in parquet.schema_arrow.names:
             raise UserError(f"{file} has no column '{self.text_field}' (training.dataset_text_field)")
+        column_type = parquet.schema_arrow.field(self.text_field).type
+        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            raise UserError(f"{file}: column '{self.text_field}' holds {column_type}, not text")
         for group in range(first_group, parquet.num_row_groups):
             row = first_row if group == first_group else 0
-            # Batches bound the memory a large row group takes; rows before `row` are skipped.
-            batches = parquet.iter_batches(batch_size=1024, row_groups=[group], columns=[self.text_field])
-            batch_start = 0
-            for batch in batches:
-                texts = batch.column(0).to_pylist()[max(row - batch_start, 0) :]
-                for text in texts:
-                    yield [index, group, row], text or ""
-                    row += 1
-                batch_start += batch.num_rows
+            for text in _row_group_texts(parquet, file, group, self.text_field, row):
+                if text is None:
+                    raise UserError(f"{self.where([index, group, row])}: '{self.text_field}' is null")
+                yield [index, group, row], text
+                row += 1
+
+    def where(self, position: list[int]) -> str:
+        """The file (and line or row) a position names, for error messages."""
+        file = self.files[position[0]]
+        if file.suffix == ".jsonl":
+            return f"{file}:{position[2]}"
+        if file.suffix == ".parquet":
+            return f"{file} row group {position[1]}, row {position[2]}"
+        return str(file)
+
+
+def _row_group_texts(parquet, file: Path, group: int, column: str, first_row: int) -> Iterator[str | None]:
+    """A row group's texts from `first_row` on; batches bound the memory a large row group takes."""
+    import pyarrow as pa
+
+    batch_start = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=1024, row_groups=[group], columns=[column]):
+            yield from batch.column(0).to_pylist()[max(first_row - batch_start, 0) :]
+            batch_start += batch.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{file} row group {group} cannot be read ({first_line(e)})") from None
+
+
+def _json_object(line: bytes, where: str) -> dict:
+    try:
+        row = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        raise UserError(f"{where} is not a line of JSON ({first_line(e)})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where} is {_json_kind(row)}, not a JSON object")
+    return row
 
 
 def _text_of(row: dict, text_field: str, where: str) -> str:
     if text_field not in row:
         raise UserError(f"{where} has no field '{text_field}' (training.dataset_text_field)")
-    return row[text_field]
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise UserError(f"{where}: field '{text_field}' is {_json_kind(text)}, not a string")
+    return text
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
 
 
 class HFStream:
@@ -127,8 +178,11 @@ class HFStream:
         # The state after a document is the position of the next; datasets keeps it per example.
         position = json.dumps(stream.state_dict())
         for row in stream:
-            yield position, _text_of(row, self.text_field, f"dataset {self.name}")
+            yield position, _text_of(row, self.text_field, self.where(position))
             position = json.dumps(stream.state_dict())
+
+    def where(self, position: str) -> str:
+        return f"dataset {self.name}"
 
 
 def build_document_source(

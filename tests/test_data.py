@@ -1,6 +1,7 @@
 """Tokenizers, sources, packing, token shards, the global sample order and exact loader resume."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -28,6 +29,9 @@ class ListSource:
     def documents(self, start=None):
         for index in range(start[0] if start else 0, len(self.docs)):
             yield [index], self.docs[index]
+
+    def where(self, position):
+        return f"document {position[0]}"
 
 
 def expected_stream(docs, tokenizer, repeats: int) -> np.ndarray:
@@ -133,10 +137,25 @@ def test_stream_restarts_from_any_recorded_position(kind, tmp_path):
             np.testing.assert_array_equal(read(), tokens)
 
 
-def test_empty_dataset_is_an_error():
-    stream = PackedTextStream(ListSource([]), ByteTokenizer(), 4)
-    with pytest.raises(UserError, match="no documents"):
+@pytest.mark.parametrize(
+    "docs, expected",
+    [([], "no documents"), ([""] * 3, "only empty documents, 3 of them"), ([""] * 50, "50 of them")],
+)
+def test_a_dataset_without_text_is_an_error_before_any_sample(docs, expected):
+    # 50 empty documents would fill 10 samples of EOS alone: none is read before the error.
+    stream = PackedTextStream(ListSource(docs), ByteTokenizer(), 4)
+    with pytest.raises(UserError, match=re.escape(expected)):
         next(stream.samples(0, 0, START))
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error():
+    class WideTokenizer(ByteTokenizer):
+        def encode_batch(self, texts):
+            return [[300 if t == "x" else 97 for t in text] for text in texts]
+
+    stream = PackedTextStream(ListSource(["aaa", "axa"]), WideTokenizer(), 2)
+    with pytest.raises(UserError, match="token id 300 for document 1, outside its vocabulary of 258"):
+        list(zip(stream.samples(0, 0, START), range(10)))
 
 
 def step_sample_ids(dataset: GlobalSampleOrder, steps: int, per_rank: int) -> list[list[int]]:
@@ -382,6 +401,14 @@ def test_prepared_shards_hold_the_same_samples_as_the_text_stream(tmp_path):
     )
     for (k, _, read), _ in zip(stream.samples(0, 0, START), range(300)):
         np.testing.assert_array_equal(shards.sample(k), read())
+    # A state saved reading the shards holds no stream position; the text stream continues from it.
+    from_shards = GlobalSampleOrder(shards, 64, 4, 0, 1)
+    run_steps(from_shards, 3, 4)
+    assert from_shards.state_dict()["anchor_position"] is None
+    text = GlobalSampleOrder(stream, 64, 4, 0, 1)
+    text.load_state_dict(from_shards.state_dict())
+    for (a, b), _ in zip(zip(text, from_shards), range(8)):
+        assert a["sample_id"] == b["sample_id"] and torch.equal(a["tokens"], b["tokens"])
     # An existing output is never overwritten.
     again = subprocess.run(command, capture_output=True, text=True)
     assert again.returncode == 2 and "already exists" in again.stderr
