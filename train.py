@@ -87,11 +87,10 @@ def train(argv: list[str]) -> int:
     # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
     train_state = TrainState(model=TrainState.describe(model.spec.name, model.args))
     checkpointer = Checkpointer(
-        config.checkpoint, dump_folder, model.parts, optimizers, dataloader.dataset, train_state,
+        config.checkpoint, dump_folder, model.parts, optimizers, dataloader, train_state,
         model.spec.state_dict_adapter(model.args), config.training.steps,
     )  # fmt: skip
     checkpointer.load()
-    batches = iter(dataloader)
 
     metrics = MetricsLogger(
         str(dump_folder), device, tokens_per_step, distributed.world_size(), model.flops_per_token,
@@ -116,7 +115,7 @@ def train(argv: list[str]) -> int:
     for step in range(first_step, last_step + 1):
         profiler.step_begins(step)
         lr = optimizers.set_lr(step)
-        micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        micro_batches = dataloader.next_step()
         step_loss = step_runner.forward_backward(micro_batches)
         grad_norm = clip_grad_norm_(parameters, config.training.max_norm, pp_group)
         optimizers.step(skip=nonfinite_guard.skip_update(grad_norm, step))  # decided on the device

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint import hf
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
 from configs import UserError
+from configs.errors import first_line
 from configs.schema import Checkpoint
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class Checkpointer:
         dump_folder: Path,
         model_parts: list[nn.Module],
         optimizers,
-        dataset,
+        dataloader,
         train_state: TrainState,
         adapter,
         total_steps: int,
@@ -61,7 +62,7 @@ class Checkpointer:
         self.folder = dump_folder / config.folder
         self.model_parts = model_parts
         self.optimizers = optimizers
-        self.dataset = dataset
+        self.dataloader = dataloader  # anything with state_dict() / load_state_dict()
         self.train_state = train_state
         self.adapter = adapter
         self.total_steps = total_steps
@@ -81,7 +82,7 @@ class Checkpointer:
         if "train" in parts:
             state["train"] = self.train_state.to_dict()
         if "dataloader" in parts:
-            state["dataloader"] = self.dataset.state_dict()
+            state["dataloader"] = self.dataloader.state_dict()
         return state
 
     # ---- saving ----------------------------------------------------------------------------
@@ -233,7 +234,7 @@ class Checkpointer:
         if "train" in parts:
             self.train_state.load_dict(state["train"], str(path))
         if "dataloader" in parts:
-            self.dataset.load_state_dict(state["dataloader"])
+            self.dataloader.load_state_dict(state["dataloader"])
         logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")
 
     def _check_compatible(self, path: Path, saved: dict, parts: list[str]) -> None:
@@ -288,8 +289,3 @@ def _check_shapes(path: Path, saved: dict, ours: dict[str, tuple]) -> None:
     if problems:
         shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise UserError(f"checkpoint {path} holds a different model: {shown}")
-
-
-def first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__

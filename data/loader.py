@@ -1,31 +1,29 @@
-"""The global sample order, each rank's share of it, and the dataloader that batches it.
+"""The global sample order, each rank's share of it, and the loader that batches it by step.
 
 Optimizer step s reads global samples [c, c + G), where c is the cursor (s x G while the global
 batch G is unchanged); data-parallel rank r reads the r-th contiguous slice of G / dp samples, as
 its gradient-accumulation micro-batches in order. The state is that one global cursor (plus a
-position in the text stream to restart reading from), the same on every rank, so a resumed run on
-another number of ranks reads exactly the samples the uninterrupted run would have.
+position in the text stream to restart reading from, data/packing.py), the same on every rank, so
+a resumed run on another number of ranks reads exactly the samples the uninterrupted run would have.
+
+Text sources are tokenized by every rank (the packing needs every document's token count); at
+scale, token shards from scripts/prepare_data.py let each rank read only its own samples.
 """
 
 import logging
-import warnings
 
 import torch
-from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 from configs import UserError
-from data.packing import PackedTextStream
+from data.packing import START, PackedTextStream
 from data.shards import TokenShards
 from data.sources import build_document_source
 from data.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-# torchdata 0.11 calls an API that torch >= 2.9 deprecates; nothing for users to act on.
-warnings.filterwarnings("ignore", message=".*set_vital.*is deprecated")
 
 
-class GlobalOrderDataset(IterableDataset):
+class GlobalSampleOrder:
     """Yields this rank's samples, step after step, as {"tokens": (L + 1,), "sample_id": k}."""
 
     def __init__(
@@ -43,10 +41,11 @@ class GlobalOrderDataset(IterableDataset):
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
         # The state, valid between optimizer steps: next step's first sample, and where to start
-        # reading the stream to reach it (a token index at or before it, and its stream position).
+        # reading the stream to reach it (a token index at or before it, and its stream position;
+        # None for token shards, which need none).
         self.cursor = 0
         self.anchor_token = 0
-        self.anchor_position = (0, 0, 0)
+        self.anchor_position = START
         self._mid_step = False
 
     def __iter__(self):
@@ -74,7 +73,7 @@ class GlobalOrderDataset(IterableDataset):
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
             "anchor_token": self.anchor_token,
-            "anchor_position": list(self.anchor_position),
+            "anchor_position": None if self.anchor_position is None else list(self.anchor_position),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -93,18 +92,53 @@ class GlobalOrderDataset(IterableDataset):
                 f"{cursor + self.global_batch_size - 1}, continuing the same global order"
             )
         self.cursor = cursor
-        self.anchor_token = state["anchor_token"]
-        self.anchor_position = tuple(state["anchor_position"])
+        self.anchor_token, self.anchor_position = self.source.restart_point(
+            state["anchor_token"], state["anchor_position"]
+        )
         self._mid_step = False
 
 
-def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    tokens = torch.stack([s["tokens"] for s in samples])
-    return {
-        "input": tokens[:, :-1],
-        "labels": tokens[:, 1:],
-        "sample_ids": torch.tensor([s["sample_id"] for s in samples]),
-    }
+class StepLoader:
+    """This rank's micro-batches, one optimizer step at a time, and the data state to checkpoint.
+
+    Loading runs in the training process: the state is the global cursor, exact at every step
+    boundary, and packing costs little next to a training step.
+    """
+
+    def __init__(self, order: GlobalSampleOrder, local_batch_size: int, pin_memory: bool = False):
+        per_rank = order.global_batch_size // order.dp_degree
+        assert per_rank % local_batch_size == 0, "a rank's share of a step must be whole micro-batches"
+        self.order = order
+        self.local_batch_size = local_batch_size
+        self.accumulation_steps = per_rank // local_batch_size
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self._samples = None  # this rank's samples from the state on; opened at the first step
+
+    def next_step(self) -> list[dict[str, torch.Tensor]]:
+        """The next optimizer step's `accumulation_steps` micro-batches of this rank, each
+        {"input", "labels": (local_batch_size, seq_len), "sample_ids": (local_batch_size,)}."""
+        if self._samples is None:
+            self._samples = iter(self.order)
+        return [self._micro_batch() for _ in range(self.accumulation_steps)]
+
+    def _micro_batch(self) -> dict[str, torch.Tensor]:
+        samples = [next(self._samples) for _ in range(self.local_batch_size)]
+        tokens = torch.stack([s["tokens"] for s in samples])
+        batch = {
+            "input": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "sample_ids": torch.tensor([s["sample_id"] for s in samples]),
+        }
+        if self.pin_memory:  # page-locked host memory copies to the GPU asynchronously
+            batch = {name: tensor.pin_memory() for name, tensor in batch.items()}
+        return batch
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state)
+        self._samples = None  # reopened at the loaded cursor
 
 
 def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShards:
@@ -146,16 +180,8 @@ def build_dataloader(
     dp_rank: int,
     dp_degree: int,
     pin_memory: bool = False,
-) -> StatefulDataLoader:
-    dataset = GlobalOrderDataset(
+) -> StepLoader:
+    order = GlobalSampleOrder(
         build_source(training, tokenizer), training.seq_len, global_batch_size, dp_rank, dp_degree
     )
-    # In-process loading: the state must be exact at every step boundary, and packing is cheap next
-    # to a training step (pretokenize large corpora with scripts/prepare_data.py).
-    return StatefulDataLoader(
-        dataset,
-        batch_size=training.local_batch_size,
-        collate_fn=_collate,
-        num_workers=0,
-        pin_memory=pin_memory,
-    )
+    return StepLoader(order, training.local_batch_size, pin_memory)

@@ -1,38 +1,51 @@
 """Pack a document stream into fixed windows: sample k is tokens [k*L, k*L + L] of the stream.
 
 The stream is every document's tokens followed by EOS, in the source's order, repeated over epochs.
-A position in it is (epoch, document index, tokens of that document already consumed), so reading
-can restart at any sample without replaying the data before it.
+A position in it is (epoch, the document's source position, tokens of that document already
+consumed); the source position restarts reading at that document directly (data/sources.py), so
+reading can restart at any sample without reading or tokenizing the data before it.
+
+Every data-parallel rank tokenizes the whole text stream, not only its own samples: where sample k
+starts depends on the token count of every document before it. That is fine up to tens of ranks;
+at scale, tokenize once with scripts/prepare_data.py, whose token shards each rank reads only at
+its own samples (data/shards.py). Documents are tokenized in batches, which a Hugging Face
+tokenizer spreads over its thread pool.
 """
 
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
 import numpy as np
 
 from configs import UserError
-from data.sources import DocumentSource
-from data.tokenizer import Tokenizer
+from data.sources import DocumentSource, SourcePosition
+from data.tokenizer import Tokenizer, check_token_ids
 
-Position = tuple[int, int, int]  # (epoch, document, offset in the document's tokens incl. EOS)
+logger = logging.getLogger(__name__)
+
+# (epoch, the document's source position (None: the epoch's first document), offset in the
+# document's tokens incl. EOS)
+Position = tuple[int, SourcePosition | None, int]
+START: Position = (0, None, 0)
+
+# Documents tokenized in one call; the character bound keeps a batch of whole books small.
+BATCH_DOCUMENTS = 256
+BATCH_CHARACTERS = 2**20
 
 
 class PackedTextStream:
-    def __init__(self, documents: DocumentSource, tokenizer: Tokenizer, seq_len: int):
-        self.documents = documents
+    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int):
+        self.source = source
         self.tokenizer = tokenizer
         self.seq_len = seq_len
 
-    def _tokenized_documents(self, epoch: int, start: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    def _tokenized_documents(self, epoch: int, start: SourcePosition | None) -> Iterator:
+        """(epoch, source position, tokens + EOS) for each document from `start` on, epoch after epoch."""
         while True:
-            count = 0
-            for index, text in enumerate(self.documents(start), start):
-                count += 1
-                tokens = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
-                yield epoch, index, np.asarray(tokens, dtype=np.int64)
-            if count == 0 and start == 0:
-                raise UserError("the dataset has no documents (training.dataset / dataset_path)")
-            epoch, start = epoch + 1, 0
+            for position, tokens in tokenize(self.source, self.tokenizer, start):
+                yield epoch, position, tokens
+            epoch, start = epoch + 1, None
 
     def samples(
         self, first_sample: int, anchor_token: int, anchor: Position
@@ -49,11 +62,15 @@ class PackedTextStream:
         # Pieces of documents in the buffer: (global token index where it starts, its position).
         pieces: list[tuple[int, Position]] = []
         skip = anchor[2]  # the anchor may sit inside its document
+        # No sample before a document with text: a corpus of empty documents is refused at the end
+        # of its first epoch (tokenize), before any sample of EOS alone is read.
+        text_seen = False
         for epoch, document, tokens in self._tokenized_documents(anchor[0], anchor[1]):
             pieces.append((buffer_start + len(buffer), (epoch, document, skip)))
             buffer = np.concatenate((buffer, tokens[skip:]))
             skip = 0
-            while buffer_start + len(buffer) >= k * length + length + 1:
+            text_seen = text_seen or len(tokens) > 1
+            while text_seen and buffer_start + len(buffer) >= k * length + length + 1:
                 start = k * length - buffer_start
                 window = buffer[start : start + length + 1]
                 yield k, _position_of(pieces, k * length), partial(np.copy, window)
@@ -63,6 +80,74 @@ class PackedTextStream:
             buffer, buffer_start = buffer[drop:], buffer_start + drop
             while len(pieces) > 1 and pieces[1][0] <= buffer_start:
                 pieces.pop(0)
+
+    def restart_point(self, anchor_token: int, saved: list | None) -> tuple[int, Position]:
+        """(anchor token, position) to restart from, given what a data state saved.
+
+        Checkpoints written before positions were source-specific hold [epoch, document index,
+        offset]: they still load, by counting documents from the start once (with a warning).
+        A state saved while reading token shards holds no stream position: reading starts at the
+        stream's start and skips to the cursor.
+        """
+        if saved is None:
+            logger.warning(
+                "the data state was saved reading token shards: reading the text stream from its start "
+                f"up to token {anchor_token} to continue"
+            )
+            return 0, START
+        epoch, document, offset = saved
+        if document == 0:  # an older format's first document: nothing to count
+            return anchor_token, (epoch, None, offset)
+        if isinstance(document, int):
+            logger.warning(
+                f"the checkpoint holds its data position as a document index ({document}), an older "
+                "format: counting documents up to it once; checkpoints written from now on restart directly"
+            )
+            return anchor_token, (epoch, self._position_of_document(document), offset)
+        return anchor_token, (epoch, document, offset)
+
+    def _position_of_document(self, index: int) -> SourcePosition:
+        for count, (position, _) in enumerate(self.source.documents(None)):
+            if count == index:
+                return position
+        raise UserError(
+            f"the checkpoint's data position (document {index}) is past the end of the dataset: "
+            "was training.dataset_path changed?"
+        )
+
+
+def tokenize(
+    source: DocumentSource, tokenizer: Tokenizer, start: SourcePosition | None = None
+) -> Iterator[tuple[SourcePosition, np.ndarray]]:
+    """One epoch of (position, tokens + EOS) from the document at `start` on, encoded in batches.
+
+    Refuses token ids outside the vocabulary, and an epoch read from its start that holds no text
+    (no documents, or only empty ones, which would train on EOS alone).
+    """
+    documents = with_text = 0
+    for batch in _batches(source.documents(start)):
+        positions, texts = zip(*batch)
+        for position, ids in zip(positions, tokenizer.encode_batch(list(texts))):
+            tokens = np.asarray(ids + [tokenizer.eos_id], dtype=np.int64)
+            check_token_ids(tokenizer, tokens, source.where(position))
+            documents += 1
+            with_text += len(tokens) > 1
+            yield position, tokens
+    if start is None and not with_text:
+        what = "no documents" if documents == 0 else f"only empty documents, {documents} of them"
+        raise UserError(f"the dataset has {what} (training.dataset / dataset_path)")
+
+
+def _batches(documents: Iterable[tuple[SourcePosition, str]]) -> Iterator[list[tuple[SourcePosition, str]]]:
+    batch, characters = [], 0
+    for document in documents:
+        batch.append(document)
+        characters += len(document[1])
+        if len(batch) == BATCH_DOCUMENTS or characters >= BATCH_CHARACTERS:
+            yield batch
+            batch, characters = [], 0
+    if batch:
+        yield batch
 
 
 def _position_of(pieces: list[tuple[int, Position]], token: int) -> Position:

@@ -77,10 +77,15 @@ class TokenShards:
             shard += 1
         return np.concatenate(pieces).astype(np.int64)
 
-    def samples(self, first_sample: int, anchor_token: int, anchor: tuple) -> Iterator[tuple]:
-        """PackedTextStream.samples for shards: no position is needed, and tokens are read only
-        for the samples a rank keeps (the third item is a function that reads them)."""
+    def samples(self, first_sample: int, anchor_token: int, anchor: None) -> Iterator[tuple]:
+        """PackedTextStream.samples for shards: no stream position is needed (it is None), and
+        tokens are read only for the samples a rank keeps (the third item is a function that reads
+        them)."""
         k = first_sample
         while True:
-            yield k, (0, 0, 0), partial(self.sample, k)
+            yield k, None, partial(self.sample, k)
             k += 1
+
+    def restart_point(self, anchor_token: int, saved) -> tuple[int, None]:
+        """Samples are read directly: a saved stream position (from a text source) is not needed."""
+        return anchor_token, None

@@ -4,6 +4,8 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from configs import UserError
 
 
@@ -55,6 +57,12 @@ class HFTokenizer:
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise UserError(f"model.hf_assets_path: cannot read {path}: {e}") from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        largest = max(self._tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+        if largest[1] >= self.vocab_size:  # its ids would index past the model's embedding table
+            raise UserError(
+                f"model.hf_assets_path: {path} gives token {largest[0]!r} id {largest[1]}, beyond its "
+                f"vocabulary size {self.vocab_size}"
+            )
         named = _special_tokens_from_config(Path(folder) / "tokenizer_config.json")
         self.eos_id = self._find_id(named.get("eos_token"), _EOS_NAMES)
         self.bos_id = self._find_id(named.get("bos_token"), _BOS_NAMES)
@@ -76,6 +84,16 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def check_token_ids(tokenizer: Tokenizer, tokens: np.ndarray, where: str) -> None:
+    """Ids past the vocabulary would index past the embedding table (or wrap in uint16 shards)."""
+    if len(tokens) and (tokens.max() >= tokenizer.vocab_size or tokens.min() < 0):
+        bad = tokens.max() if tokens.max() >= tokenizer.vocab_size else tokens.min()
+        raise UserError(
+            f"the tokenizer gave token id {bad} for {where}, outside its vocabulary of "
+            f"{tokenizer.vocab_size} (model.hf_assets_path)"
+        )
 
 
 def _special_tokens_from_config(path: Path) -> dict[str, str]:

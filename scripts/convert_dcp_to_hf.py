@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint import hf
-from checkpoint.manager import first_line
 from configs import UserError
+from configs.errors import first_line
 from scripts.model_from_config import build_meta_model, load_run_config
 
 TOKENIZER_FILES = (

@@ -19,6 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs import UserError
+from data.packing import tokenize
 from data.shards import write_meta
 from data.sources import build_document_source
 from data.tokenizer import build_tokenizer
@@ -41,7 +42,6 @@ def prepare(args: argparse.Namespace) -> None:
     shards: list[dict] = []
     pending: list[np.ndarray] = []
     pending_tokens = 0
-    total_documents = 0
 
     def flush() -> None:
         nonlocal pending, pending_tokens
@@ -51,32 +51,24 @@ def prepare(args: argparse.Namespace) -> None:
         print(f"wrote {name}: {pending_tokens:,} tokens", flush=True)
         pending, pending_tokens = [], 0
 
-    batch: list[str] = []
-    for text in _with_end(documents(0)):
-        if text is not None:
-            batch.append(text)
-        if batch and (len(batch) == 1024 or text is None):
-            for ids in tokenizer.encode_batch(batch):
-                pending.append(np.asarray(ids + [tokenizer.eos_id], dtype=np.int64))
-                pending_tokens += len(ids) + 1
-            total_documents += len(batch)
-            batch = []
-        if pending_tokens >= args.shard_tokens or (text is None and pending_tokens):
-            flush()
-    if total_documents == 0:
+    total_documents = 0
+    try:
+        for _, tokens in tokenize(documents, tokenizer):  # one epoch, as training reads it
+            pending.append(tokens)
+            pending_tokens += len(tokens)
+            total_documents += 1
+            if pending_tokens >= args.shard_tokens:
+                flush()
+    except UserError:
         shutil.rmtree(partial)
-        raise UserError("the dataset has no documents")
+        raise
+    if pending_tokens:
+        flush()
     tokenizer_name = args.hf_assets_path or "byte"
     write_meta(partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name, shards)
     partial.rename(output)
     total = sum(s["num_tokens"] for s in shards)
     print(f"{total_documents:,} documents, {total:,} tokens in {len(shards)} shards -> {output}")
-
-
-def _with_end(documents):
-    """The documents, then None to mark the end."""
-    yield from documents
-    yield None
 
 
 def main() -> int:

@@ -33,6 +33,44 @@ def run_catalog(cases: list[list[str]], folder: Path) -> list[dict]:
     return json.loads((folder / "results.json").read_text())
 
 
+def write_bad_corpora(root: Path) -> None:
+    """One folder per damaged corpus, named as the catalog's cases use them."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    good = json.dumps({"text": "a fine document"}) + "\n"
+    corpora = {
+        "random_bytes/data.jsonl": good.encode() + bytes(range(128, 256)) + b"\n",
+        "truncated_line/data.jsonl": (good + good[:12]).encode(),
+        "not_an_object/data.jsonl": (good + good + "[1, 2]\n").encode(),
+        "null_text/data.jsonl": (good + json.dumps({"text": None}) + "\n").encode(),
+        "number_text/data.jsonl": (json.dumps({"text": 7}) + "\n").encode(),
+        "empty_parquet/data.parquet": b"",
+        "csv_parquet/data.parquet": b"text\nnot parquet at all\n",
+        "empty_txt/a.txt": b"",
+        "empty_texts/data.jsonl": (json.dumps({"text": ""}) + "\n").encode() * 3,
+    }
+    for name, content in corpora.items():
+        (root / name).parent.mkdir(parents=True)
+        (root / name).write_bytes(content)
+    (root / "null_parquet").mkdir()
+    pq.write_table(pyarrow.table({"text": ["one", "two", None]}), root / "null_parquet" / "data.parquet")
+    (root / "int_parquet").mkdir()
+    pq.write_table(pyarrow.table({"text": [1, 2]}), root / "int_parquet" / "data.parquet")
+    # A tokenizer whose vocabulary holds an id past its size: "e" is 5000 in a vocabulary of 266.
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(["hello world"] * 10, trainer)
+    broken = json.loads(tokenizer.to_str())
+    broken["model"]["vocab"]["e"] = 5000
+    (root / "wide_ids").mkdir()
+    (root / "wide_ids" / "tokenizer.json").write_text(json.dumps(broken))
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     """Bad inputs on disk, and a real checkpoint to damage."""
@@ -43,6 +81,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "empty" / "nothing.jsonl").write_text("")
     (root / "field").mkdir()
     (root / "field" / "docs.jsonl").write_text(json.dumps({"content": "text under another name"}) + "\n")
+    write_bad_corpora(root)
     (root / "no_tokenizer").mkdir()
     (root / "no_meta").mkdir()
     (root / "a_file").write_text("not a folder")
@@ -102,6 +141,21 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
          "the dataset has no documents"),
         ("text field", ["--training.dataset", "text", "--training.dataset_path", str(root / "field")],
          "has no field 'text'"),
+        *[(f"corpus {name}", ["--training.dataset", "text", "--training.dataset_path", str(root / name)], expected)
+          for name, expected in [
+              ("random_bytes", "random_bytes/data.jsonl:2 is not a line of JSON"),
+              ("truncated_line", "truncated_line/data.jsonl:2 is not a line of JSON"),
+              ("not_an_object", "not_an_object/data.jsonl:3 is an array, not a JSON object"),
+              ("null_text", "null_text/data.jsonl:2: field 'text' is null, not a string"),
+              ("number_text", "number_text/data.jsonl:1: field 'text' is a number, not a string"),
+              ("empty_parquet", "empty_parquet/data.parquet is not a Parquet file"),
+              ("csv_parquet", "csv_parquet/data.parquet is not a Parquet file"),
+              ("null_parquet", "null_parquet/data.parquet row group 0, row 2: 'text' is null"),
+              ("int_parquet", "int_parquet/data.parquet: column 'text' holds int64, not text"),
+              ("empty_txt", "the dataset has only empty documents, 1 of them"),
+              ("empty_texts", "the dataset has only empty documents, 3 of them"),
+          ]],
+        ("tokenizer ids", ["--model.hf_assets_path", str(root / "wide_ids")], "gives token 'e' id 5000, beyond its vocabulary size 266"),
         ("tokenizer folder", ["--model.hf_assets_path", str(root / "missing_tokenizer")], "is not a folder"),
         ("no tokenizer.json", ["--model.hf_assets_path", str(root / "no_tokenizer")], "no tokenizer.json"),
         ("shards without meta", ["--training.dataset", "tokens", "--training.dataset_path", str(root / "no_meta")],

@@ -36,19 +36,14 @@ class Validator:
             )
         source = dataclasses.replace(training, dataset=config.dataset, dataset_path=config.dataset_path)
         self.loader = build_dataloader(source, tokenizer, global_batch, dp_rank, dp_degree)
-        self.micro_batches_per_step = global_batch // (training.local_batch_size * dp_degree)
-        self.start_state = self.loader.dataset.state_dict()
+        self.start_state = self.loader.state_dict()
 
     def due(self, step: int, last_step: int) -> bool:
         return self.config.enable and (step % self.config.freq == 0 or step == last_step)
 
     def evaluate(self, global_batch_loss: Callable[[list[dict]], torch.Tensor]) -> dict[str, float]:
         """Mean loss over the validation steps; global_batch_loss returns one batch's global loss."""
-        self.loader.dataset.load_state_dict(self.start_state)  # the same samples every time
-        batches = iter(self.loader)
-        losses = []
-        for _ in range(self.config.steps):
-            micro_batches = [next(batches) for _ in range(self.micro_batches_per_step)]
-            losses.append(global_batch_loss(micro_batches))
+        self.loader.load_state_dict(self.start_state)  # the same samples every time
+        losses = [global_batch_loss(self.loader.next_step()) for _ in range(self.config.steps)]
         loss = sum(losses) / len(losses)
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
