@@ -9,8 +9,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-import torch
-
 from configs import UserError
 from configs.schema import Training, Validation
 from data.loader import build_dataloader
@@ -41,7 +39,7 @@ class Validator:
     def due(self, step: int, last_step: int) -> bool:
         return self.config.enable and (step % self.config.freq == 0 or step == last_step)
 
-    def evaluate(self, global_batch_loss: Callable[[list[dict]], torch.Tensor]) -> dict[str, float]:
+    def evaluate(self, global_batch_loss: Callable[[list[dict]], float]) -> dict[str, float]:
         """Mean loss over the validation steps; global_batch_loss returns one batch's global loss."""
         self.loader.load_state_dict(self.start_state)  # the same samples every time
         losses = [global_batch_loss(self.loader.next_step()) for _ in range(self.config.steps)]
