@@ -1,19 +1,26 @@
 """Hugging Face safetensors: read into a (sharded) model, write a full model, via the model's adapter.
 
-Reading goes one tensor at a time: each full tensor is renamed/permuted by the adapter and every
-rank copies its own shard out of it, so memory holds one full tensor at a time whatever the layout.
+Reading maps names first, from the files' headers alone; then each rank reads only what it holds:
+nothing of the tensors of other pipeline stages, and of a sharded (DTensor) parameter only the box
+of rows and columns its shard covers. Where the adapter converts rows in blocks (Llama's q/k heads)
+the box grows to whole blocks, is converted, then cut. Memory and reads per rank are its shard's.
 """
 
 import json
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from configs import UserError
-from training.weight_init import copy_full_tensor, original_name
+from models.hf_adapter import StateDictAdapter
+from training.weight_init import original_name
 
 SHARD_BYTES = 5 * 2**30
 
@@ -22,31 +29,98 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def load_into(model_parts: list[nn.Module], adapter, folder: Path) -> None:
-    """Fill the parameters of model_parts from the safetensors files in folder."""
-    params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
-    wanted = set(params)
-    loaded = set()
+@dataclass(frozen=True)
+class Location:
+    """Where one of our tensors lies in a Hugging Face folder."""
+
+    file: Path
+    hf_name: str
+    shape: tuple[int, ...]
+
+
+def locate(
+    folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Location]:
+    """Where each tensor of `shapes` (our names -> expected shapes) lies, read from the headers only.
+
+    Tensors not in `shapes` (another pipeline stage's) are skipped; unknown names, other shapes and
+    missing tensors are the user's mistake (a checkpoint of another model or flavor).
+    """
+    found = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as tensors:
             for hf_name in tensors.keys():
                 try:
-                    converted = adapter.from_hf({hf_name: tensors.get_tensor(hf_name)})
+                    name = adapter.from_hf_name(hf_name)
                 except KeyError as e:
                     raise UserError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
-                for name, full in converted.items():
-                    if name not in wanted:
-                        continue  # held by another pipeline stage
-                    param = params[name]
-                    if tuple(full.shape) != tuple(param.shape):
-                        shapes = f"{tuple(full.shape)}, this model's {name} is {tuple(param.shape)}"
-                        raise UserError(f"{file}: {hf_name} is {shapes}")
-                    with torch.no_grad():
-                        copy_full_tensor(param, full.to(param.device, param.dtype))
-                    loaded.add(name)
-    missing = sorted(wanted - loaded)
+                if name not in shapes:
+                    continue
+                shape = tuple(tensors.get_slice(hf_name).get_shape())
+                if shape != tuple(shapes[name]):
+                    raise UserError(
+                        f"{file}: {hf_name} is {shape}, but the model's {name} is {tuple(shapes[name])}"
+                    )
+                found[name] = Location(file, hf_name, shape)
+    missing = sorted(set(shapes) - set(found))
     if missing:
         raise UserError(f"Hugging Face checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    return found
+
+
+def _read_box(tensors, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]):
+    """Our tensor `name`'s values in `box` (a slice per dim), reading whole blocks of rows around it."""
+    rows, *columns = box
+    block = adapter.rows_per_block(name)
+    first, end = rows.start // block * block, -(-rows.stop // block) * block
+    read = tensors.get_slice(location.hf_name)[(slice(first, end), *columns)]
+    return adapter.block_from_hf(name, read)[rows.start - first : rows.stop - first]
+
+
+def _local_box(param: torch.Tensor) -> tuple[slice, ...]:
+    """The rows and columns of the full tensor that this rank's shard of param holds."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, size) for size in param.shape)
+    # The function DCP uses to describe each shard as one box of the full tensor (Shard, uneven last
+    # chunks, FSDP's strided shard over TP on a 2-D mesh).
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        raise RuntimeError(f"local shape {tuple(shape)} is not the shard's {tuple(param.to_local().shape)}")
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _by_file(locations: dict[str, Location]) -> dict[Path, list[tuple[str, Location]]]:
+    grouped = defaultdict(list)
+    for name, location in locations.items():
+        grouped[location.file].append((name, location))
+    return grouped
+
+
+@torch.no_grad()
+def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: Path) -> None:
+    """Fill the parameters of model_parts (this rank's stage, maybe sharded) from folder's safetensors."""
+    params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
+    locations = locate(folder, adapter, {name: tuple(p.shape) for name, p in params.items()})
+    for file, entries in _by_file(locations).items():
+        with safe_open(str(file), framework="pt") as tensors:
+            for name, location in entries:
+                param = params[name]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel():  # an uneven split may leave a rank nothing
+                    local.copy_(_read_box(tensors, location, name, adapter, _local_box(param)))
+
+
+def read_full(
+    folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The full tensors of `shapes` (our names and layout), in dtype or the files' own."""
+    state = {}
+    for file, entries in _by_file(locate(folder, adapter, shapes)).items():
+        with safe_open(str(file), framework="pt") as tensors:
+            for name, location in entries:
+                full = _read_box(tensors, location, name, adapter, tuple(slice(0, n) for n in location.shape))
+                state[name] = full if dtype is None else full.to(dtype)
+    return state
 
 
 def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torch.dtype) -> None:

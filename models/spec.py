@@ -22,7 +22,7 @@ class ModelSpec:
     flavors: dict[str, Any]
     """Flavor name -> args dataclass, which must have the fields vocab_size and max_seq_len."""
     state_dict_adapter: Any = None
-    """Converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
+    """adapter(args): a models.hf_adapter.StateDictAdapter (Hugging Face names, layout, config.json)."""
     parallelize_plan: Callable | None = None
     """plan(model, tp_mesh, loss_parallel): applies the family's tensor-parallel plan in place."""
     tensor_parallel_sizes: Callable | None = None

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from checkpoint import hf
 from configs import UserError
 from scripts.model_from_config import build_meta_model, load_run_config
 
@@ -25,26 +25,12 @@ def convert(args: argparse.Namespace) -> None:
     source, output = Path(args.hf), Path(args.output)
     if output.exists():
         raise UserError(f"--output '{output}' already exists; choose a new folder")
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
+    if not hf.is_hf_folder(source):
         raise UserError(f"--hf '{source}' holds no .safetensors files")
     spec, model_args, model = build_meta_model(load_run_config(args.config, None))
-    adapter = spec.state_dict_adapter(model_args)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    state = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as tensors:
-            for hf_name in tensors.keys():
-                try:
-                    state.update(adapter.from_hf({hf_name: tensors.get_tensor(hf_name)}))
-                except KeyError as e:
-                    raise UserError(f"{file}: {e.args[0]}") from None
-    for name, shape in expected.items():
-        if name not in state:
-            raise UserError(f"{source} has no tensor for {name}")
-        if tuple(state[name].shape) != shape:
-            raise UserError(f"{source}: {name} is {tuple(state[name].shape)}, the model's is {shape}")
-    dcp.save({"model": {name: state[name] for name in expected}}, checkpoint_id=str(output))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype=None)
+    dcp.save({"model": state}, checkpoint_id=str(output))
     print(f"wrote {output}")
 
 

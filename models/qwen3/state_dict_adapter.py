@@ -1,8 +1,7 @@
 """Qwen3 state dicts to and from Hugging Face `Qwen3ForCausalLM` names (same RoPE layout: no
 permutation, only names)."""
 
-import torch
-
+from models.hf_adapter import StateDictAdapter
 from models.hf_names import NameMap
 from models.qwen3.model import Qwen3Args
 
@@ -26,9 +25,9 @@ NAMES = NameMap(
 )
 
 
-class Qwen3StateDictAdapter:
-    def __init__(self, args: Qwen3Args):
-        self.args = args
+class Qwen3StateDictAdapter(StateDictAdapter):
+    names = NAMES
+    args: Qwen3Args
 
     def hf_config(self, dtype: str) -> dict:
         """config.json of the equivalent transformers Qwen3ForCausalLM."""
@@ -53,15 +52,3 @@ class Qwen3StateDictAdapter:
             "use_sliding_window": False,
             "torch_dtype": dtype,
         }
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        skip_output = self.args.tie_embeddings  # HF stores tied weights once, as embed_tokens
-        return {
-            NAMES.to_hf(n): t for n, t in state_dict.items() if not (skip_output and n == "output.weight")
-        }
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = {NAMES.from_hf(n): t for n, t in hf_state_dict.items()}
-        if self.args.tie_embeddings:
-            ours.pop("output.weight", None)
-        return ours
