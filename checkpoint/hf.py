@@ -7,6 +7,7 @@ the box grows to whole blocks, is converted, then cut. Memory and reads per rank
 """
 
 import json
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from configs import UserError
+from data.tokenizer import Tokenizer, build_tokenizer
 from models.hf_adapter import StateDictAdapter
 from training.weight_init import original_name
 
 SHARD_BYTES = 5 * 2**30
+# What of model.hf_assets_path the export carries: the files data/tokenizer.py reads, and the map
+# of special tokens that transformers' tokenizer loading also looks for.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -123,10 +128,33 @@ def read_full(
     return state
 
 
-def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torch.dtype) -> None:
-    """Write full tensors (our names) as HF safetensors shards + index + config.json."""
+def save(
+    state_dict: dict[str, torch.Tensor],
+    adapter: StateDictAdapter,
+    folder: Path,
+    dtype: torch.dtype,
+    hf_assets_path: str,
+) -> None:
+    """Write full tensors (our names) as a folder that transformers loads and generates from:
+    safetensors shards + index, config.json and generation_config.json with the token ids of the
+    tokenizer the run trained with (hf_assets_path, or the byte tokenizer), and its files."""
+    tokenizer = build_tokenizer(hf_assets_path)  # before writing: a missing tokenizer stops it first
     hf_state = {name: t.to(dtype).contiguous() for name, t in adapter.to_hf(state_dict).items()}
     folder.mkdir(parents=True, exist_ok=False)
+    weight_map = _write_shards(hf_state, folder)
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(folder / "model.safetensors.index.json", index)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    _write_json(folder / "config.json", {**adapter.hf_config(str(dtype).removeprefix("torch.")), **ids})
+    _write_json(folder / "generation_config.json", generation_config(tokenizer))
+    for name in TOKENIZER_FILES if hf_assets_path else ():
+        if (Path(hf_assets_path) / name).is_file():
+            shutil.copyfile(Path(hf_assets_path) / name, folder / name)
+
+
+def _write_shards(hf_state: dict[str, torch.Tensor], folder: Path) -> dict[str, str]:
+    """Shards of at most SHARD_BYTES; returns the index's weight map (tensor -> file)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in hf_state.items():
@@ -136,13 +164,27 @@ def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torc
             size = 0
         shards[-1][name] = tensor
         size += nbytes
+    file_mode = folder.stat().st_mode & 0o666  # what the umask gives new files here
     weight_map = {}
     for index, shard in enumerate(shards, 1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = adapter.hf_config(str(dtype).removeprefix("torch."))
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        file = folder / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(file), metadata={"format": "pt"})
+        file.chmod(file_mode)  # safetensors (0.8) creates its files 0600 whatever the umask
+        weight_map.update(dict.fromkeys(shard, file.name))
+    return weight_map
+
+
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """Greedy decoding that stops at the end-of-text token the model was trained to emit. No length:
+    transformers would warn whenever a caller's max_new_tokens overrides one set here."""
+    config = {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.eos_id,  # no padding token in pretraining; batched generate needs one
+        "do_sample": False,
+    }
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2) + "\n")

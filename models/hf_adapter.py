@@ -70,3 +70,10 @@ class StateDictAdapter:
             if name is not None:
                 ours[name] = self.block_from_hf(name, tensor)
         return ours
+
+
+def rope_config(theta: float, scaling: dict | None) -> dict:
+    """config.json's RoPE keys, for every reader: transformers 5 reads rope_parameters; transformers
+    4 and other tools (vLLM, llama.cpp's converter) read rope_theta and rope_scaling."""
+    parameters = {"rope_type": "default", **(scaling or {}), "rope_theta": theta}
+    return {"rope_parameters": parameters, "rope_theta": theta, "rope_scaling": scaling}

@@ -3,22 +3,24 @@
     python scripts/convert_hf_to_dcp.py --hf ~/models/Llama-3.1-8B --config configs/llama3_8b.toml \\
         --output checkpoints/llama3_8b_hf
 
-(train.py also reads a Hugging Face folder given as checkpoint.initial_load_path directly; a
-converted checkpoint loads faster on many ranks, each reading only its shards.) One process, CPU;
-memory holds the model once, in the files' dtype. The output folder must not exist.
+(train.py also reads a Hugging Face folder given as checkpoint.initial_load_path directly, each
+rank reading only its shard of each tensor.) One process, CPU;
+memory holds the model once, in the files' dtype unless --dtype converts. The output folder must
+not exist.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint import hf
 from configs import UserError
-from scripts.model_from_config import build_meta_model, load_run_config
+from scripts.model_from_config import build_meta_model, load_run_config, one_process_dcp
 
 
 def convert(args: argparse.Namespace) -> None:
@@ -29,8 +31,10 @@ def convert(args: argparse.Namespace) -> None:
         raise UserError(f"--hf '{source}' holds no .safetensors files")
     spec, model_args, model = build_meta_model(load_run_config(args.config, None))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype=None)
-    dcp.save({"model": state}, checkpoint_id=str(output))
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype)
+    with one_process_dcp():
+        dcp.save({"model": state}, checkpoint_id=str(output))
     print(f"wrote {output}")
 
 
@@ -41,6 +45,11 @@ def main() -> int:
     parser.add_argument("--hf", required=True, help="folder with *.safetensors")
     parser.add_argument("--config", required=True, help="a config (.toml) naming the model")
     parser.add_argument("--output", required=True, help="new checkpoint folder")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="dtype of the checkpoint's tensors (default: the Hugging Face files' own)",
+    )
     try:
         convert(parser.parse_args())
     except UserError as e:

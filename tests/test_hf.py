@@ -1,7 +1,11 @@
 """Hugging Face import and export: conversion scripts, initial weights, logits equal to transformers."""
 
+import contextlib
+import json
+import logging
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,11 @@ from models import get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.pipeline import split_model
+from scripts.model_from_config import one_process_dcp
 from training.model_setup import resolve_model
 from training.weight_init import init_weights, materialize, original_name
 
+EXPORT_CONFIGS = ("config.json", "generation_config.json")
 COMMON = [*TINY, "--training.steps", "5", "--training.global_batch_size", "8"]
 
 
@@ -29,18 +35,19 @@ def script(name: str, *args: str, check: bool = True) -> subprocess.CompletedPro
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / name), *args], capture_output=True, text=True
     )
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
+    if check:  # and quiet: no warnings either
+        assert result.returncode == 0 and not result.stderr, result.stdout + result.stderr
     return result
 
 
 def read_model(checkpoint: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = {name: torch.empty_like(t) for name, t in like.items()}
-    dcp.load(
-        {"model": state},
-        checkpoint_id=str(checkpoint),
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-    )
+    with one_process_dcp():
+        dcp.load(
+            {"model": state},
+            checkpoint_id=str(checkpoint),
+            planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        )
     return state
 
 
@@ -65,7 +72,14 @@ def tiny_state() -> dict[str, torch.Tensor]:
 
 def test_export_then_import_gives_back_the_same_weights(trained, tmp_path):
     hf_folder = trained / "hf"
-    assert (hf_folder / "config.json").is_file() and (hf_folder / "model.safetensors.index.json").is_file()
+    assert (hf_folder / "model.safetensors.index.json").is_file()
+    config, generation = (json.loads((hf_folder / name).read_text()) for name in EXPORT_CONFIGS)
+    assert config["bos_token_id"] == generation["bos_token_id"] == 256  # the byte tokenizer's
+    assert config["eos_token_id"] == generation["eos_token_id"] == 257
+    file_mode = hf_folder.stat().st_mode & 0o666
+    assert {p.name: p.stat().st_mode & 0o777 for p in hf_folder.iterdir()} == dict.fromkeys(
+        [p.name for p in hf_folder.iterdir()], file_mode
+    )
     script("convert_hf_to_dcp.py", "--hf", str(hf_folder), "--config", str(trained / "config.toml"),
            "--output", str(tmp_path / "dcp"))  # fmt: skip
     original = read_model(trained / "checkpoint/step-5", tiny_state())
@@ -138,6 +152,7 @@ def seeded_model(args, spec):
     return model
 
 
+@pytest.mark.filterwarnings("ignore:Parallelize plan key")  # a stage lacks the others' modules
 def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
     """PP 2 x FSDP 3 x TP 2, simulated rank by rank: uneven FSDP chunks cut heads of wk, whose rows
     Llama's adapter permutes within each head. Every rank gets the full import's values and reads
@@ -150,7 +165,7 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
     _, _, args = resolve_model(config, dims)
     full = {name: p.detach() for name, p in seeded_model(args, spec).named_parameters()}
     adapter = spec.state_dict_adapter(args)
-    hf.save(full, adapter, tmp_path / "hf", torch.float32)
+    hf.save(full, adapter, tmp_path / "hf", torch.float32, hf_assets_path="")
     head_dim = args.dim // args.n_heads
     stage_names = set()
     for rank in range(12):
@@ -202,25 +217,79 @@ def test_conversion_errors(trained, tmp_path):
     assert result.returncode == 2 and "but the model's" in result.stderr
 
 
+@contextlib.contextmanager
+def no_warnings_from_transformers():
+    """Fails if transformers logs a warning or anything raises a Python warning inside."""
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = logged.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as raised:
+            warnings.simplefilter("always")
+            yield
+    finally:
+        logger.removeHandler(handler)
+    assert not logged and not raised, [r.getMessage() for r in logged] + [str(w.message) for w in raised]
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_equal_transformers(family, tied, tmp_path):
     transformers = pytest.importorskip("transformers")  # optional; run where it is installed
     spec = get_model_spec(family)
     args = model_args(spec, "tiny", 64, 258, [f"tie_embeddings={str(tied).lower()}"])
-    with torch.device("meta"):
-        model, template = spec.model_cls(args), spec.model_cls(args)
-    materialize(model, torch.device("cpu"))
-    init_weights(model, template, seed=7)
+    model = seeded_model(args, spec)
     model.init_buffers()
     state = {name: p.detach() for name, p in model.named_parameters()}
-    hf.save(state, spec.state_dict_adapter(args), tmp_path / "hf", torch.float32)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "hf"), torch_dtype=torch.float32
-    )
+    hf.save(state, spec.state_dict_adapter(args), tmp_path / "hf", torch.float32, hf_assets_path="")
+    with no_warnings_from_transformers():  # e.g. none about the RoPE scaling keys of config.json
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     assert type(theirs).__name__ == {"llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     theirs.eval()
     tokens = torch.randint(0, 258, (2, 64))
     with torch.no_grad():
         ours, reference = model(tokens), theirs(tokens).logits
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+
+
+def word_tokenizer(folder: Path) -> Path:
+    """A tokenizer.json of seven words, BOS and EOS (ids 1 and 2, not the byte tokenizer's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "the", "cat", "sat", "on", "mat"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder.mkdir()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def test_export_generates_until_the_tokenizers_eos(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    assets = word_tokenizer(tmp_path / "assets")
+    spec = get_model_spec("llama3")
+    args = model_args(spec, "tiny", 32, 8)
+    state = {name: p.detach().clone() for name, p in seeded_model(args, spec).named_parameters()}
+    # A model that always predicts EOS (id 2): blocks add nothing to the residual stream, every token
+    # embeds to ones, and only EOS's output row is not orthogonal to the normalized ones.
+    state["tok_embeddings.weight"].fill_(1.0)
+    for name, tensor in state.items():
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            tensor.zero_()
+    state["output.weight"].zero_()
+    state["output.weight"][2] = 1.0
+    hf.save(state, spec.state_dict_adapter(args), tmp_path / "hf", torch.float32, str(assets))
+    config, generation = (json.loads((tmp_path / "hf" / name).read_text()) for name in EXPORT_CONFIGS)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, 2)
+    transformers.utils.logging.disable_progress_bar()
+    with no_warnings_from_transformers():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))  # the copied files
+        prompt = tokenizer("the cat sat", return_tensors="pt").input_ids
+        generated = model.generate(prompt, max_new_tokens=8)
+    assert prompt.tolist() == [[3, 4, 5]]
+    assert generated.tolist() == [[3, 4, 5, 2]]  # one EOS, then stopped (not eight of them)

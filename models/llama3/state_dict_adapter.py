@@ -6,7 +6,7 @@ model in HF layout therefore has the rows of wq and wk permuted within each head
 
 import torch
 
-from models.hf_adapter import StateDictAdapter
+from models.hf_adapter import StateDictAdapter, rope_config
 from models.hf_names import NameMap
 from models.llama3.model import Llama3Args
 
@@ -48,6 +48,16 @@ class Llama3StateDictAdapter(StateDictAdapter):
     def hf_config(self, dtype: str) -> dict:
         """config.json of the equivalent transformers LlamaForCausalLM."""
         a = self.args
+        scale = a.rope_scaling_factor
+        scaling = None
+        if scale != 1.0:
+            scaling = {
+                "rope_type": "llama3",
+                "factor": scale,
+                "low_freq_factor": a.rope_low_freq_factor,
+                "high_freq_factor": a.rope_high_freq_factor,
+                "original_max_position_embeddings": a.rope_original_max_position,
+            }
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -59,22 +69,14 @@ class Llama3StateDictAdapter(StateDictAdapter):
             "head_dim": a.dim // a.n_heads,
             "hidden_act": "silu",
             "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None
-            if a.rope_scaling_factor == 1.0
-            else {
-                "rope_type": "llama3",
-                "factor": a.rope_scaling_factor,
-                "low_freq_factor": a.rope_low_freq_factor,
-                "high_freq_factor": a.rope_high_freq_factor,
-                "original_max_position_embeddings": a.rope_original_max_position,
-            },
-            "max_position_embeddings": max(a.max_seq_len, a.rope_original_max_position),
+            **rope_config(a.rope_theta, scaling),
+            # transformers wants the scaling's original context below this: the context it stretches to.
+            "max_position_embeddings": max(a.max_seq_len, int(a.rope_original_max_position * scale)),
             "vocab_size": a.vocab_size,
             "tie_word_embeddings": a.tie_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
-            "torch_dtype": dtype,
+            "dtype": dtype,
         }
 
     def rows_per_block(self, name: str) -> int:

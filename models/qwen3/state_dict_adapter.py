@@ -1,7 +1,7 @@
 """Qwen3 state dicts to and from Hugging Face `Qwen3ForCausalLM` names (same RoPE layout: no
 permutation, only names)."""
 
-from models.hf_adapter import StateDictAdapter
+from models.hf_adapter import StateDictAdapter, rope_config
 from models.hf_names import NameMap
 from models.qwen3.model import Qwen3Args
 
@@ -43,12 +43,11 @@ class Qwen3StateDictAdapter(StateDictAdapter):
             "head_dim": a.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None,
+            **rope_config(a.rope_theta, scaling=None),
             "max_position_embeddings": max(a.max_seq_len, 40960),
             "vocab_size": a.vocab_size,
             "tie_word_embeddings": a.tie_embeddings,
             "attention_bias": False,
             "use_sliding_window": False,
-            "torch_dtype": dtype,
+            "dtype": dtype,
         }
