@@ -6,14 +6,16 @@ of rows and columns its shard covers. Where the adapter converts rows in blocks 
 the box grows to whole blocks, is converted, then cut. Memory and reads per rank are its shard's.
 """
 
+import contextlib
 import json
 import shutil
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -32,6 +34,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator:
+    """safe_open, with a damaged or truncated file reported as the user's to fix."""
+    try:
+        with safe_open(str(file), framework="pt") as tensors:
+            yield tensors
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file} cannot be read as safetensors (truncated or damaged?): {e}") from None
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ def locate(
     """
     found = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as tensors:
+        with _open(file) as tensors:
             for hf_name in tensors.keys():
                 try:
                     name = adapter.from_hf_name(hf_name)
@@ -107,7 +119,7 @@ def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: P
     params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
     locations = locate(folder, adapter, {name: tuple(p.shape) for name, p in params.items()})
     for file, entries in _by_file(locations).items():
-        with safe_open(str(file), framework="pt") as tensors:
+        with _open(file) as tensors:
             for name, location in entries:
                 param = params[name]
                 local = param.to_local() if isinstance(param, DTensor) else param
@@ -121,7 +133,7 @@ def read_full(
     """The full tensors of `shapes` (our names and layout), in dtype or the files' own."""
     state = {}
     for file, entries in _by_file(locate(folder, adapter, shapes)).items():
-        with safe_open(str(file), framework="pt") as tensors:
+        with _open(file) as tensors:
             for name, location in entries:
                 full = _read_box(tensors, location, name, adapter, tuple(slice(0, n) for n in location.shape))
                 state[name] = full if dtype is None else full.to(dtype)

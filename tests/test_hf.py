@@ -1,18 +1,22 @@
 """Hugging Face import and export: conversion scripts, initial weights, logits equal to transformers."""
 
 import contextlib
+import io
 import json
 import logging
+import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import REPO, TINY, read_metrics, run_train
+from test_bad_inputs import run_catalog
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -23,6 +27,7 @@ from models import get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.pipeline import split_model
+from scripts import convert_hf_to_dcp
 from scripts.model_from_config import one_process_dcp
 from training.model_setup import resolve_model
 from training.weight_init import init_weights, materialize, original_name
@@ -215,6 +220,45 @@ def test_conversion_errors(trained, tmp_path):
     result = script("convert_hf_to_dcp.py", "--hf", str(trained / "hf"), "--config", str(other),
                     "--output", str(tmp_path / "out"), check=False)  # fmt: skip
     assert result.returncode == 2 and "but the model's" in result.stderr
+    truncated = truncated_copy(trained / "hf", tmp_path)
+    flags = ["--config", str(trained / "config.toml"), "--output", str(tmp_path / "out")]
+    code, stderr = run_script_main(convert_hf_to_dcp, "--hf", str(truncated), *flags)
+    assert code == 2 and stderr.startswith("error: ") and "cannot be read as safetensors" in stderr
+
+
+def truncated_copy(hf_folder: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "truncated"
+    shutil.copytree(hf_folder, copy)
+    shard = next(copy.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    return copy
+
+
+def run_script_main(module, *args: str) -> tuple[int, str]:
+    """A script's main() in this process (no interpreter start): exit code and stderr."""
+    stderr = io.StringIO()
+    with mock.patch.object(sys, "argv", [module.__file__, *args]), contextlib.redirect_stderr(stderr):
+        code = module.main()
+    return code, stderr.getvalue()
+
+
+def test_unusable_initial_weights_stop_with_one_error_line(trained, tmp_path):
+    neither = tmp_path / "neither"
+    neither.mkdir()
+    (neither / "notes.txt").write_text("not weights")
+    cases = [
+        (truncated_copy(trained / "hf", tmp_path), "cannot be read as safetensors (truncated or damaged?)"),
+        (neither, "is neither a checkpoint (a step-N folder with .metadata) nor a Hugging Face folder"),
+        (trained, f"it holds checkpoints: name one, e.g. {trained / 'checkpoint' / 'step-5'}"),
+    ]
+    argvs = [
+        [*COMMON, "--job.dump_folder", str(tmp_path / f"run{i}"), "--checkpoint.initial_load_path", str(path)]
+        for i, (path, _) in enumerate(cases)
+    ]
+    for (_, expected), result in zip(cases, run_catalog(argvs, tmp_path)):
+        errors = [line for line in result["stderr"].splitlines() if line.startswith("error:")]
+        assert result["code"] == 2 and len(errors) == 1 and expected in errors[0], result["stderr"][-2000:]
+        assert "Traceback" not in result["stderr"]
 
 
 @contextlib.contextmanager
