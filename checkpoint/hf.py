@@ -85,7 +85,9 @@ def locate(
     return found
 
 
-def _read_box(tensors, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]):
+def _read_box(
+    tensors, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]
+) -> torch.Tensor:
     """Our tensor `name`'s values in `box` (a slice per dim), reading whole blocks of rows around it."""
     rows, *columns = box
     block = adapter.rows_per_block(name)
