@@ -1,6 +1,7 @@
 """Hugging Face import and export: conversion scripts, initial weights, logits equal to transformers."""
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -8,7 +9,9 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -108,45 +111,31 @@ def test_training_starts_from_hf_weights_on_any_layout(trained, tmp_path):
     assert losses["single"] < scratch - 0.1  # the trained weights, not a fresh init
 
 
-class CountingReads:
-    """safe_open that records, per tensor, how many elements this rank read."""
-
-    def __init__(self):
-        self.elements: dict[str, int] = {}
-
-    def __call__(self, *args, **kwargs):
-        counter, opened = self, hf_safe_open(*args, **kwargs)
-
-        class Slice:
-            def __init__(self, name):
-                self.name, self.inner = name, opened.get_slice(name)
-
-            def get_shape(self):
-                return self.inner.get_shape()
-
-            def __getitem__(self, box):
-                values = self.inner[box]
-                counter.elements[self.name] = counter.elements.get(self.name, 0) + values.numel()
-                return values
-
-        class Opened:
-            def __enter__(self):
-                opened.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return opened.__exit__(*exc)
-
-            def keys(self):
-                return opened.keys()
-
-            def get_slice(self, name):
-                return Slice(name)
-
-        return Opened()
+SAFE_OPEN = hf.safe_open
 
 
-hf_safe_open = hf.safe_open
+class CountedSlice:
+    """A tensor's slice in a safetensors file, counting the elements read through it."""
+
+    def __init__(self, inner, name: str, counts: Counter):
+        self.inner, self.name, self.counts = inner, name, counts
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, box):
+        values = self.inner[box]
+        self.counts[self.name] += values.numel()
+        return values
+
+
+@contextlib.contextmanager
+def counting_safe_open(counts: Counter, file: str, framework: str):
+    """safe_open whose reads add up, per Hugging Face tensor name, in counts."""
+    with SAFE_OPEN(file, framework=framework) as opened:
+        yield SimpleNamespace(
+            keys=opened.keys, get_slice=lambda name: CountedSlice(opened.get_slice(name), name, counts)
+        )
 
 
 def seeded_model(args, spec):
@@ -185,8 +174,8 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
             for part in parts:
                 parallelize(part, spec, dims, mesh, config, torch.device("cpu"))
                 materialize(part, torch.device("cpu"))
-            reads = CountingReads()
-            monkeypatch.setattr(hf, "safe_open", reads)
+            reads = Counter()
+            monkeypatch.setattr(hf, "safe_open", functools.partial(counting_safe_open, reads))
             hf.load_into(parts, adapter, tmp_path / "hf")
             params = {original_name(n): p for part in parts for n, p in part.named_parameters()}
             stage_names.update(params)
@@ -197,11 +186,8 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
                 budget = local.numel()
                 if name.endswith(("wq.weight", "wk.weight")):  # whole heads around its rows
                     budget = (local.shape[0] + 2 * (head_dim - 1)) * local.shape[1]
-                assert local.numel() <= reads.elements.get(adapter.to_hf_name(name), 0) <= budget, (
-                    rank,
-                    name,
-                )
-            assert set(reads.elements) <= {adapter.to_hf_name(n) for n in params}  # nothing of other stages'
+                assert local.numel() <= reads[adapter.to_hf_name(name)] <= budget, (rank, name)
+            assert set(reads) <= {adapter.to_hf_name(n) for n in params}  # nothing of other stages'
             assert all(isinstance(p, DTensor) for p in params.values())
         finally:
             dist.destroy_process_group()
