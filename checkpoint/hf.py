@@ -1,58 +1,174 @@
 """Hugging Face safetensors: read into a (sharded) model, write a full model, via the model's adapter.
 
-Reading goes one tensor at a time: each full tensor is renamed/permuted by the adapter and every
-rank copies its own shard out of it, so memory holds one full tensor at a time whatever the layout.
+Reading maps names first, from the files' headers alone; then each rank reads only what it holds:
+nothing of the tensors of other pipeline stages, and of a sharded (DTensor) parameter only the box
+of rows and columns its shard covers. Where the adapter converts rows in blocks (Llama's q/k heads)
+the box grows to whole blocks, is converted, then cut. Memory and reads per rank are its shard's.
 """
 
+import contextlib
 import json
+import shutil
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from configs import UserError
-from training.weight_init import copy_full_tensor, original_name
+from data.tokenizer import Tokenizer, build_tokenizer
+from models.hf_adapter import StateDictAdapter
+from training.weight_init import original_name
 
 SHARD_BYTES = 5 * 2**30
+# What of model.hf_assets_path the export carries: the files data/tokenizer.py reads, and the map
+# of special tokens that transformers' tokenizer loading also looks for.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def load_into(model_parts: list[nn.Module], adapter, folder: Path) -> None:
-    """Fill the parameters of model_parts from the safetensors files in folder."""
-    params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
-    wanted = set(params)
-    loaded = set()
-    for file in sorted(folder.glob("*.safetensors")):
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator:
+    """safe_open, with a damaged or truncated file reported as the user's to fix."""
+    try:
         with safe_open(str(file), framework="pt") as tensors:
+            yield tensors
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{file} cannot be read as safetensors (truncated or damaged?): {e}") from None
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one of our tensors lies in a Hugging Face folder."""
+
+    file: Path
+    hf_name: str
+    shape: tuple[int, ...]
+
+
+def locate(
+    folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Location]:
+    """Where each tensor of `shapes` (our names -> expected shapes) lies, read from the headers only.
+
+    Tensors not in `shapes` (another pipeline stage's) are skipped; unknown names, other shapes and
+    missing tensors are the user's mistake (a checkpoint of another model or flavor).
+    """
+    found = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with _open(file) as tensors:
             for hf_name in tensors.keys():
                 try:
-                    converted = adapter.from_hf({hf_name: tensors.get_tensor(hf_name)})
+                    name = adapter.from_hf_name(hf_name)
                 except KeyError as e:
                     raise UserError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
-                for name, full in converted.items():
-                    if name not in wanted:
-                        continue  # held by another pipeline stage
-                    param = params[name]
-                    if tuple(full.shape) != tuple(param.shape):
-                        shapes = f"{tuple(full.shape)}, this model's {name} is {tuple(param.shape)}"
-                        raise UserError(f"{file}: {hf_name} is {shapes}")
-                    with torch.no_grad():
-                        copy_full_tensor(param, full.to(param.device, param.dtype))
-                    loaded.add(name)
-    missing = sorted(wanted - loaded)
+                if name not in shapes:
+                    continue
+                shape = tuple(tensors.get_slice(hf_name).get_shape())
+                if shape != tuple(shapes[name]):
+                    raise UserError(
+                        f"{file}: {hf_name} is {shape}, but the model's {name} is {tuple(shapes[name])}"
+                    )
+                found[name] = Location(file, hf_name, shape)
+    missing = sorted(set(shapes) - set(found))
     if missing:
         raise UserError(f"Hugging Face checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    return found
 
 
-def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torch.dtype) -> None:
-    """Write full tensors (our names) as HF safetensors shards + index + config.json."""
+def _read_box(
+    tensors, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]
+) -> torch.Tensor:
+    """Our tensor `name`'s values in `box` (a slice per dim), reading whole blocks of rows around it."""
+    rows, *columns = box
+    block = adapter.rows_per_block(name)
+    first, end = rows.start // block * block, -(-rows.stop // block) * block
+    read = tensors.get_slice(location.hf_name)[(slice(first, end), *columns)]
+    return adapter.block_from_hf(name, read)[rows.start - first : rows.stop - first]
+
+
+def _local_box(param: torch.Tensor) -> tuple[slice, ...]:
+    """The rows and columns of the full tensor that this rank's shard of param holds."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, size) for size in param.shape)
+    # The function DCP uses to describe each shard as one box of the full tensor (Shard, uneven last
+    # chunks, FSDP's strided shard over TP on a 2-D mesh).
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if tuple(shape) != tuple(param.to_local().shape):
+        raise RuntimeError(f"local shape {tuple(shape)} is not the shard's {tuple(param.to_local().shape)}")
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _by_file(locations: dict[str, Location]) -> dict[Path, list[tuple[str, Location]]]:
+    grouped = defaultdict(list)
+    for name, location in locations.items():
+        grouped[location.file].append((name, location))
+    return grouped
+
+
+@torch.no_grad()
+def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: Path) -> None:
+    """Fill the parameters of model_parts (this rank's stage, maybe sharded) from folder's safetensors."""
+    params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
+    locations = locate(folder, adapter, {name: tuple(p.shape) for name, p in params.items()})
+    for file, entries in _by_file(locations).items():
+        with _open(file) as tensors:
+            for name, location in entries:
+                param = params[name]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if local.numel():  # an uneven split may leave a rank nothing
+                    local.copy_(_read_box(tensors, location, name, adapter, _local_box(param)))
+
+
+def read_full(
+    folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """The full tensors of `shapes` (our names and layout), in dtype or the files' own."""
+    state = {}
+    for file, entries in _by_file(locate(folder, adapter, shapes)).items():
+        with _open(file) as tensors:
+            for name, location in entries:
+                full = _read_box(tensors, location, name, adapter, tuple(slice(0, n) for n in location.shape))
+                state[name] = full if dtype is None else full.to(dtype)
+    return state
+
+
+def save(
+    state_dict: dict[str, torch.Tensor],
+    adapter: StateDictAdapter,
+    folder: Path,
+    dtype: torch.dtype,
+    hf_assets_path: str,
+) -> None:
+    """Write full tensors (our names) as a folder that transformers loads and generates from:
+    safetensors shards + index, config.json and generation_config.json with the token ids of the
+    tokenizer the run trained with (hf_assets_path, or the byte tokenizer), and its files."""
+    tokenizer = build_tokenizer(hf_assets_path)  # before writing: a missing tokenizer stops it first
     hf_state = {name: t.to(dtype).contiguous() for name, t in adapter.to_hf(state_dict).items()}
     folder.mkdir(parents=True, exist_ok=False)
+    weight_map = _write_shards(hf_state, folder)
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    _write_json(folder / "model.safetensors.index.json", index)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    _write_json(folder / "config.json", {**adapter.hf_config(str(dtype).removeprefix("torch.")), **ids})
+    _write_json(folder / "generation_config.json", generation_config(tokenizer))
+    for name in TOKENIZER_FILES if hf_assets_path else ():
+        if (Path(hf_assets_path) / name).is_file():
+            shutil.copyfile(Path(hf_assets_path) / name, folder / name)
+
+
+def _write_shards(hf_state: dict[str, torch.Tensor], folder: Path) -> dict[str, str]:
+    """Shards of at most SHARD_BYTES; returns the index's weight map (tensor -> file)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in hf_state.items():
@@ -62,13 +178,27 @@ def save(state_dict: dict[str, torch.Tensor], adapter, folder: Path, dtype: torc
             size = 0
         shards[-1][name] = tensor
         size += nbytes
+    file_mode = folder.stat().st_mode & 0o666  # what the umask gives new files here
     weight_map = {}
     for index, shard in enumerate(shards, 1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in hf_state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = adapter.hf_config(str(dtype).removeprefix("torch."))
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        file = folder / f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(file), metadata={"format": "pt"})
+        file.chmod(file_mode)  # safetensors (0.8) creates its files 0600 whatever the umask
+        weight_map.update(dict.fromkeys(shard, file.name))
+    return weight_map
+
+
+def generation_config(tokenizer: Tokenizer) -> dict:
+    """Greedy decoding that stops at the end-of-text token the model was trained to emit. No length:
+    transformers would warn whenever a caller's max_new_tokens overrides one set here."""
+    config = {
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.eos_id,  # no padding token in pretraining; batched generate needs one
+        "do_sample": False,
+    }
+    return {key: value for key, value in config.items() if value is not None}
+
+
+def _write_json(path: Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2) + "\n")

@@ -253,6 +253,8 @@ class Checkpointer:
             raise UserError(f"checkpoint.initial_load_path '{path}' does not exist")
         if hf.is_hf_folder(path):
             hf.load_into(self.model_parts, self.adapter, path)
+        elif not (path / ".metadata").is_file():
+            raise UserError(_neither_weights_message(path))
         else:
             saved = _read_metadata(path)
             state = {"model": model_state(self.model_parts)}
@@ -265,6 +267,19 @@ class Checkpointer:
                 ) from None
             load_model_state(self.model_parts, state["model"])
         logger.info(f"initial weights from {path}")
+
+
+def _neither_weights_message(path: Path) -> str:
+    """initial_load_path names no weights; point at checkpoints inside it (a run's folder?)."""
+    message = (
+        f"checkpoint.initial_load_path '{path}' is neither a checkpoint (a step-N folder with .metadata) "
+        "nor a Hugging Face folder (.safetensors files)"
+    )
+    for folder in (path, path / "checkpoint"):
+        steps = complete_steps(folder)
+        if steps:
+            return f"{message}; it holds checkpoints: name one, e.g. {folder / f'step-{steps[-1]}'}"
+    return message
 
 
 def _read_metadata(path: Path) -> dict:

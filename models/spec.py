@@ -76,7 +76,7 @@ class ModelSpec:
     tail: tuple[str, ...]
     """Modules that run after the blocks (final norm, output projection): only the last stage."""
     state_dict_adapter: Any = None
-    """adapter(args): converts state dicts to and from Hugging Face names (to_hf / from_hf)."""
+    """adapter(args): a models.hf_adapter.StateDictAdapter (Hugging Face names, layout, config.json)."""
     tensor_parallel_plan: Callable[[Any, bool], TensorParallelPlan] | None = None
     """plan(args, loss_parallel): how tensor parallelism splits the model (None: not supported).
     With loss_parallel the output projection must leave the logits sharded over the vocabulary."""

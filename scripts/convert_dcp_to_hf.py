@@ -5,12 +5,12 @@
 
 The model (family, flavor, model.args) comes from the run's resolved config.toml, found next to the
 checkpoint folder unless --config names one. Runs in one process on the CPU: memory holds the full
-model once. Tokenizer files from model.hf_assets_path are copied along. The output folder must not
-exist.
+model once. config.json and generation_config.json carry the BOS/EOS ids of the run's tokenizer
+(model.hf_assets_path, whose files are copied along, or the built-in byte tokenizer's 256/257), so
+transformers' generate() stops at the end of text. The output folder must not exist.
 """
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,14 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoint import hf
 from configs import UserError
 from configs.errors import first_line
-from scripts.model_from_config import build_meta_model, load_run_config
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-)
+from scripts.model_from_config import build_meta_model, load_run_config, one_process_dcp
 
 
 def convert(args: argparse.Namespace) -> None:
@@ -43,18 +36,16 @@ def convert(args: argparse.Namespace) -> None:
     spec, model_args, model = build_meta_model(config)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in model.named_parameters()}
     try:
-        dcp.load(
-            {"model": state},
-            checkpoint_id=str(checkpoint),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-        )
+        with one_process_dcp():
+            dcp.load(
+                {"model": state},
+                checkpoint_id=str(checkpoint),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+            )
     except (Exception, dcp.CheckpointException) as e:
         raise UserError(f"cannot read the model from {checkpoint}: {first_line(e)}") from None
-    hf.save(state, spec.state_dict_adapter(model_args), output, getattr(torch, args.dtype))
-    assets = Path(config.model.hf_assets_path) if config.model.hf_assets_path else None
-    for name in TOKENIZER_FILES if assets else ():
-        if (assets / name).is_file():
-            shutil.copy(assets / name, output / name)
+    adapter = spec.state_dict_adapter(model_args)
+    hf.save(state, adapter, output, getattr(torch, args.dtype), config.model.hf_assets_path)
     print(f"wrote {output}")
 
 
@@ -65,7 +56,12 @@ def main() -> int:
     parser.add_argument("--checkpoint", required=True, help="a step-N checkpoint folder")
     parser.add_argument("--output", required=True, help="new folder for the Hugging Face files")
     parser.add_argument("--config", help="the run's config.toml (default: next to the checkpoint)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="dtype of the exported tensors (default: %(default)s)",
+    )
     try:
         convert(parser.parse_args())
     except UserError as e:

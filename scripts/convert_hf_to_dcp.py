@@ -3,48 +3,38 @@
     python scripts/convert_hf_to_dcp.py --hf ~/models/Llama-3.1-8B --config configs/llama3_8b.toml \\
         --output checkpoints/llama3_8b_hf
 
-(train.py also reads a Hugging Face folder given as checkpoint.initial_load_path directly; a
-converted checkpoint loads faster on many ranks, each reading only its shards.) One process, CPU;
-memory holds the model once, in the files' dtype. The output folder must not exist.
+(train.py also reads a Hugging Face folder given as checkpoint.initial_load_path directly, each
+rank reading only its shard of each tensor.) One process, CPU;
+memory holds the model once, in the files' dtype unless --dtype converts. The output folder must
+not exist.
 """
 
 import argparse
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from checkpoint import hf
 from configs import UserError
-from scripts.model_from_config import build_meta_model, load_run_config
+from scripts.model_from_config import build_meta_model, load_run_config, one_process_dcp
 
 
 def convert(args: argparse.Namespace) -> None:
     source, output = Path(args.hf), Path(args.output)
     if output.exists():
         raise UserError(f"--output '{output}' already exists; choose a new folder")
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
+    if not hf.is_hf_folder(source):
         raise UserError(f"--hf '{source}' holds no .safetensors files")
     spec, model_args, model = build_meta_model(load_run_config(args.config, None))
-    adapter = spec.state_dict_adapter(model_args)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    state = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as tensors:
-            for hf_name in tensors.keys():
-                try:
-                    state.update(adapter.from_hf({hf_name: tensors.get_tensor(hf_name)}))
-                except KeyError as e:
-                    raise UserError(f"{file}: {e.args[0]}") from None
-    for name, shape in expected.items():
-        if name not in state:
-            raise UserError(f"{source} has no tensor for {name}")
-        if tuple(state[name].shape) != shape:
-            raise UserError(f"{source}: {name} is {tuple(state[name].shape)}, the model's is {shape}")
-    dcp.save({"model": {name: state[name] for name in expected}}, checkpoint_id=str(output))
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype)
+    with one_process_dcp():
+        dcp.save({"model": state}, checkpoint_id=str(output))
     print(f"wrote {output}")
 
 
@@ -55,6 +45,11 @@ def main() -> int:
     parser.add_argument("--hf", required=True, help="folder with *.safetensors")
     parser.add_argument("--config", required=True, help="a config (.toml) naming the model")
     parser.add_argument("--output", required=True, help="new checkpoint folder")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="dtype of the checkpoint's tensors (default: the Hugging Face files' own)",
+    )
     try:
         convert(parser.parse_args())
     except UserError as e:

@@ -1,5 +1,9 @@
-"""The model a config describes, built on the meta device (shared by the conversion scripts)."""
+"""What the conversion scripts share: the model a config describes, built on the meta device, and
+DCP used in one process."""
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,3 +32,11 @@ def build_meta_model(config: JobConfig):
     args = model_args(spec, config.model.flavor, config.training.seq_len, vocab, config.model.args)
     with torch.device("meta"):
         return spec, args, spec.model_cls(args)
+
+
+@contextlib.contextmanager
+def one_process_dcp() -> Iterator[None]:
+    """DCP without a process group, on purpose: its warning that none exists would only alarm."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield

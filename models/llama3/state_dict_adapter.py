@@ -6,6 +6,7 @@ model in HF layout therefore has the rows of wq and wk permuted within each head
 
 import torch
 
+from models.hf_adapter import StateDictAdapter, rope_config
 from models.hf_names import NameMap
 from models.llama3.model import Llama3Args
 
@@ -27,25 +28,36 @@ _NAMES = {
 
 
 NAMES = NameMap(_NAMES)
+_PERMUTED = ("attention.wq.weight", "attention.wk.weight")
 
 
-def _interleaved_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+def _interleaved_to_halves(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    count, cols = rows.shape
+    return rows.view(count // head_dim, head_dim // 2, 2, cols).transpose(1, 2).reshape(count, cols)
 
 
-def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    rows, cols = w.shape
-    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+def _halves_to_interleaved(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    count, cols = rows.shape
+    return rows.view(count // head_dim, 2, head_dim // 2, cols).transpose(1, 2).reshape(count, cols)
 
 
-class Llama3StateDictAdapter:
-    def __init__(self, args: Llama3Args):
-        self.args = args
+class Llama3StateDictAdapter(StateDictAdapter):
+    names = NAMES
+    args: Llama3Args
 
     def hf_config(self, dtype: str) -> dict:
         """config.json of the equivalent transformers LlamaForCausalLM."""
         a = self.args
+        scale = a.rope_scaling_factor
+        scaling = None
+        if scale != 1.0:
+            scaling = {
+                "rope_type": "llama3",
+                "factor": scale,
+                "low_freq_factor": a.rope_low_freq_factor,
+                "high_freq_factor": a.rope_high_freq_factor,
+                "original_max_position_embeddings": a.rope_original_max_position,
+            }
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -57,45 +69,22 @@ class Llama3StateDictAdapter:
             "head_dim": a.dim // a.n_heads,
             "hidden_act": "silu",
             "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None
-            if a.rope_scaling_factor == 1.0
-            else {
-                "rope_type": "llama3",
-                "factor": a.rope_scaling_factor,
-                "low_freq_factor": a.rope_low_freq_factor,
-                "high_freq_factor": a.rope_high_freq_factor,
-                "original_max_position_embeddings": a.rope_original_max_position,
-            },
-            "max_position_embeddings": max(a.max_seq_len, a.rope_original_max_position),
+            **rope_config(a.rope_theta, scaling),
+            # transformers wants the scaling's original context below this: the context it stretches to.
+            "max_position_embeddings": max(a.max_seq_len, int(a.rope_original_max_position * scale)),
             "vocab_size": a.vocab_size,
             "tie_word_embeddings": a.tie_embeddings,
             "attention_bias": False,
             "mlp_bias": False,
-            "torch_dtype": dtype,
+            "dtype": dtype,
         }
 
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hf = {}
-        for name, tensor in state_dict.items():
-            if name == "output.weight" and self.args.tie_embeddings:
-                continue  # HF stores tied weights once, as embed_tokens
-            if name.endswith("attention.wq.weight"):
-                tensor = _interleaved_to_halves(tensor, self.args.n_heads)
-            elif name.endswith("attention.wk.weight"):
-                tensor = _interleaved_to_halves(tensor, self.args.n_kv_heads)
-            hf[NAMES.to_hf(name)] = tensor
-        return hf
+    def rows_per_block(self, name: str) -> int:
+        """q and k rows are permuted within each head: a head converts as a whole."""
+        return self.args.dim // self.args.n_heads if name.endswith(_PERMUTED) else 1
 
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = {}
-        for hf_name, tensor in hf_state_dict.items():
-            name = NAMES.from_hf(hf_name)
-            if name.endswith("attention.wq.weight"):
-                tensor = _halves_to_interleaved(tensor, self.args.n_heads)
-            elif name.endswith("attention.wk.weight"):
-                tensor = _halves_to_interleaved(tensor, self.args.n_kv_heads)
-            ours[name] = tensor
-        if self.args.tie_embeddings:
-            ours.pop("output.weight", None)
-        return ours
+    def block_from_hf(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        return _halves_to_interleaved(rows, self.rows_per_block(name)) if name.endswith(_PERMUTED) else rows
+
+    def block_to_hf(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        return _interleaved_to_halves(rows, self.rows_per_block(name)) if name.endswith(_PERMUTED) else rows

@@ -1,8 +1,7 @@
 """Qwen3 state dicts to and from Hugging Face `Qwen3ForCausalLM` names (same RoPE layout: no
 permutation, only names)."""
 
-import torch
-
+from models.hf_adapter import StateDictAdapter, rope_config
 from models.hf_names import NameMap
 from models.qwen3.model import Qwen3Args
 
@@ -26,9 +25,9 @@ NAMES = NameMap(
 )
 
 
-class Qwen3StateDictAdapter:
-    def __init__(self, args: Qwen3Args):
-        self.args = args
+class Qwen3StateDictAdapter(StateDictAdapter):
+    names = NAMES
+    args: Qwen3Args
 
     def hf_config(self, dtype: str) -> dict:
         """config.json of the equivalent transformers Qwen3ForCausalLM."""
@@ -44,24 +43,11 @@ class Qwen3StateDictAdapter:
             "head_dim": a.head_dim,
             "hidden_act": "silu",
             "rms_norm_eps": a.norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": None,
+            **rope_config(a.rope_theta, scaling=None),
             "max_position_embeddings": max(a.max_seq_len, 40960),
             "vocab_size": a.vocab_size,
             "tie_word_embeddings": a.tie_embeddings,
             "attention_bias": False,
             "use_sliding_window": False,
-            "torch_dtype": dtype,
+            "dtype": dtype,
         }
-
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        skip_output = self.args.tie_embeddings  # HF stores tied weights once, as embed_tokens
-        return {
-            NAMES.to_hf(n): t for n, t in state_dict.items() if not (skip_output and n == "output.weight")
-        }
-
-    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ours = {NAMES.from_hf(n): t for n, t in hf_state_dict.items()}
-        if self.args.tie_embeddings:
-            ours.pop("output.weight", None)
-        return ours
