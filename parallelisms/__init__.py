@@ -51,7 +51,7 @@ def parallelize(
     check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     check_compile(config, dims.tp_enabled)
     if config.float8.enable:
-        apply_float8(model, config.float8)
+        apply_float8(model, config.float8, device)
     if dims.tp_enabled:
         plan = spec.tensor_parallel_plan(args, config.parallelism.enable_loss_parallel)
         apply_tensor_parallel(model, plan, spec.head, mesh["tp"])

@@ -31,13 +31,21 @@ def check_float8(config: Float8, device: torch.device, tp_enabled: bool, fsdp_en
         )
 
 
-def apply_float8(model: nn.Module, config: Float8) -> None:
-    """Swap nn.Linear for torchao's Float8Linear in place, except filtered or odd-shaped layers."""
+def apply_float8(model: nn.Module, config: Float8, device: torch.device) -> None:
+    """Swap nn.Linear for torchao's Float8Linear in place, except filtered or odd-shaped layers.
+
+    On the CPU the float8 matmul is emulated (operands rounded to float8, multiplied in float32):
+    the same numerics as on the GPU up to accumulation order, and torch's CPU _scaled_mm is far too
+    slow for training (about 60 ms for a 256 x 64 x 128 product, measured with torch 2.13).
+    """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     recipe = Float8LinearConfig.from_recipe_name(config.recipe_name)
-    if config.enable_fsdp_float8_all_gather:
-        recipe = dataclasses.replace(recipe, enable_fsdp_float8_all_gather=True)
+    recipe = dataclasses.replace(
+        recipe,
+        enable_fsdp_float8_all_gather=config.enable_fsdp_float8_all_gather,
+        emulate=device.type == "cpu",
+    )
 
     def keep_float8(module: nn.Module, fqn: str) -> bool:
         if any(name in fqn for name in config.filter_fqns):

@@ -29,11 +29,10 @@ from checkpoint import hf
 from configs import load_config
 from models import get_model_spec
 from models.spec import model_args
-from parallelisms import ParallelDims, parallelize
-from parallelisms.pipeline import split_model
+from parallelisms import ParallelDims
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from scripts.model_from_config import one_process_dcp
-from training.model_setup import resolve_model
+from training.model_setup import build_model, resolve_model
 from training.weight_init import init_weights, materialize, original_name
 
 EXPORT_CONFIGS = ("config.json", "generation_config.json")
@@ -168,11 +167,8 @@ def test_each_rank_reads_only_its_shard(tmp_path, monkeypatch):
         _clear_sharding_prop_cache()
         try:
             mesh = dims.build_mesh("cpu")
-            with torch.device("meta"):
-                model = spec.model_cls(args)
-            parts, _, _ = split_model(model, spec.pipeline_split(args), config.parallelism, mesh["pp"])
+            parts = build_model(config, dims, mesh, torch.device("cpu"), initialize=False).parts
             for part in parts:
-                parallelize(part, spec, dims, mesh, config, torch.device("cpu"))
                 materialize(part, torch.device("cpu"))
             reads = Counter()
             monkeypatch.setattr(hf, "safe_open", functools.partial(counting_safe_open, reads))
