@@ -23,5 +23,12 @@ def clip_grad_norm_(
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        # Scale each rank's local gradient data: right for every placement (sharded, replicated, or
+        # partial sums, which TP leaves on sequence-parallel norm weights). torch 2.11's DTensor
+        # foreach multiply got partial gradients wrong on CUDA (TP 2 drifted from one GPU only when
+        # clipping scaled; docs/validation.md).
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        if local:
+            torch._foreach_mul_(local, scale.to(local[0].device))
     return total
