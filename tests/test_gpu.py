@@ -5,10 +5,9 @@
 Each test is a real `torchrun ... train.py` launch of the debug model; the reference is the same
 config on one GPU. On a machine with fewer GPUs than a test needs it is skipped, with the reason.
 Bars (docs/validation.md says where they come from), relative, loss and grad norm:
-  fp32   step 1 within 1e-6; every step within FP32_BAR, or TP_BAR for layouts with tensor
-         parallelism (it splits the reduction dimension of row-wise matmuls, whose partial sums are
-         then added in another order: rounding that AdamW amplifies over the steps)
-  bf16   every step's loss within BF16_BAR of the one-GPU bf16 run
+  fp32   step 1 within 1e-6, every step within FP32_BAR (measured: at most 3e-7 over 20 steps on
+         every layout, TP included once clipping scaled partial gradients right)
+  bf16   every step's loss within BF16_BAR of the one-GPU bf16 run (measured: at most 9e-4)
 Every result is also appended to $GPU_RESULTS (a JSON line per run: the largest relative difference
 at step 1 and over all steps), from which docs/validation.md's table is written.
 """
@@ -24,8 +23,7 @@ pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 STEPS = 20
 FP32_BAR = 1e-5
-TP_BAR = 1e-3
-BF16_BAR = 2e-2
+BF16_BAR = 5e-3
 COMMON = [
     "--model.flavor", "debugmodel", "--training.seq_len", "256", "--training.steps", str(STEPS),
     "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
@@ -108,8 +106,7 @@ def test_fp32_layout_matches_one_gpu(name, single, tmp_path):
     run_train([*COMMON, *FP32, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
     found = differences(read_metrics(tmp_path), single(FP32))
     record(name, nproc, found)
-    bar = TP_BAR if "tp2" in name else FP32_BAR
-    assert found["step1"] < 1e-6 and found["loss"] < bar and found["grad_norm"] < bar, found
+    assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
 
 
 BF16_LAYOUTS = {
@@ -152,4 +149,4 @@ def test_checkpoint_reshards_fsdp2_tp2_one_gpu_pp2(single, tmp_path):
         resumed += [r for r in read_metrics(folder) if 5 * leg < r["step"] <= 5 * leg + 5]
     found = differences(resumed, single(FP32))
     record("reshard_fsdp2_tp2_1_pp2", 2, found)
-    assert found["loss"] < TP_BAR and found["grad_norm"] < TP_BAR, found  # one leg runs TP 2
+    assert found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found

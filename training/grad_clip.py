@@ -24,9 +24,9 @@ def clip_grad_norm_(
         total = squared.sqrt()
     if max_norm > 0:
         # Scale each rank's local gradient data: right for every placement (sharded, replicated, or
-        # partial sums, which TP leaves on sequence-parallel norm weights). torch 2.11's DTensor
-        # foreach multiply got partial gradients wrong on CUDA (TP 2 drifted from one GPU only when
-        # clipping scaled; docs/validation.md).
+        # partial sums, which TP leaves on sequence-parallel norm weights). Scaling them through
+        # DTensor's foreach multiply went wrong with torch 2.11 on CUDA: TP 2 drifted from one GPU
+        # only when clipping scaled (docs/validation.md).
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         if local:
