@@ -1,4 +1,2 @@
-"""Distributed checkpointing (DCP save/load, resharding, Hugging Face import/export).
-
-Being built: see docs/architecture.md for the plan.
-"""
+"""Distributed checkpointing: saving and resuming on any layout (manager.py), what a checkpoint holds
+(state.py), Hugging Face files in and out (hf.py). docs/checkpointing.md explains the format."""

@@ -7,7 +7,6 @@ prints it as `error: ...` and exits with code 2.
 import dataclasses
 import difflib
 import json
-import math
 import sys
 import typing
 from pathlib import Path
@@ -188,83 +187,9 @@ def _type_name(annotation: Any) -> str:
 
 
 def check_values(config: JobConfig) -> None:
-    """Range checks that types alone cannot express."""
-    t, o, s, p = config.training, config.optimizer, config.lr_scheduler, config.parallelism
-    rules = [
-        ("training.local_batch_size", t.local_batch_size >= 1, "must be >= 1"),
-        (
-            "training.global_batch_size",
-            t.global_batch_size == -1 or t.global_batch_size >= 1,
-            "must be >= 1, or -1 for local_batch_size x data-parallel degree",
-        ),
-        ("training.seq_len", t.seq_len >= 1, "must be >= 1"),
-        ("training.steps", t.steps >= 1, "must be >= 1"),
-        ("training.max_norm", t.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
-        ("training.max_skipped_steps", t.max_skipped_steps >= 0, "must be >= 0"),
-        ("optimizer.lr", o.lr > 0 and math.isfinite(o.lr), "must be a positive number"),
-        ("optimizer.beta1", 0 <= o.beta1 < 1, "must be in [0, 1)"),
-        ("optimizer.beta2", 0 <= o.beta2 < 1, "must be in [0, 1)"),
-        ("optimizer.eps", o.eps > 0, "must be > 0"),
-        ("optimizer.weight_decay", o.weight_decay >= 0, "must be >= 0"),
-        ("lr_scheduler.warmup_steps", s.warmup_steps >= 0, "must be >= 0"),
-        ("lr_scheduler.decay_ratio", 0 < s.decay_ratio <= 1, "must be in (0, 1]"),
-        ("lr_scheduler.min_lr_factor", 0 <= s.min_lr_factor <= 1, "must be in [0, 1]"),
-        ("metrics.log_freq", config.metrics.log_freq >= 1, "must be >= 1"),
-        ("checkpoint.interval", config.checkpoint.interval >= 1, "must be >= 1"),
-        ("profiling.start_step", config.profiling.start_step >= 1, "must be >= 1"),
-        ("validation.freq", config.validation.freq >= 1, "must be >= 1"),
-        ("validation.steps", config.validation.steps >= 1, "must be >= 1"),
-        ("profiling.steps", config.profiling.steps >= 1, "must be >= 1"),
-        (
-            "activation_checkpoint.selective_ac_option",
-            config.activation_checkpoint.selective_ac_option == "op"
-            or (
-                config.activation_checkpoint.selective_ac_option.isdigit()
-                and int(config.activation_checkpoint.selective_ac_option) >= 1
-            ),
-            'must be "op" or a positive whole number',
-        ),
-        ("checkpoint.keep_latest_k", config.checkpoint.keep_latest_k >= 0, "must be >= 0 (0 keeps all)"),
-        ("checkpoint.folder", config.checkpoint.folder.strip() != "", "must not be empty"),
-        (
-            "checkpoint.exclude_from_loading",
-            set(config.checkpoint.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
-            "may only name model, optimizer, train, dataloader",
-        ),
-        ("parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree >= 1, "must be >= 1"),
-        (
-            "parallelism.data_parallel_shard_degree",
-            p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
-            "must be >= 1, or -1 (infer)",
-        ),
-        ("parallelism.tensor_parallel_degree", p.tensor_parallel_degree >= 1, "must be >= 1"),
-        ("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree >= 1, "must be >= 1"),
-        ("parallelism.context_parallel_degree", p.context_parallel_degree >= 1, "must be >= 1"),
-        (
-            "parallelism.pipeline_parallel_microbatch_size",
-            p.pipeline_parallel_microbatch_size >= 1,
-            "must be >= 1",
-        ),
-        (
-            "parallelism.pipeline_parallel_layers_per_stage",
-            p.pipeline_parallel_layers_per_stage == -1 or p.pipeline_parallel_layers_per_stage >= 1,
-            "must be >= 1, or -1 (balanced)",
-        ),
-        ("metrics.peak_tflops", config.metrics.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
-        ("job.dump_folder", config.job.dump_folder.strip() != "", "must not be empty"),
-        ("job.dry_run_world_size", config.job.dry_run_world_size >= 0, "must be >= 0 (0 = as launched)"),
-        ("job.signal_check_interval", config.job.signal_check_interval >= 1, "must be >= 1"),
-        (
-            "training.dataset_path",
-            t.dataset == "python_docs" or t.dataset_path != "",
-            f"is required when training.dataset = '{t.dataset}'",
-        ),
-    ]
-    for key, ok, message in rules:
-        if not ok:
-            section, name = key.split(".")
-            value = getattr(getattr(config, section), name)
-            raise UserError(f"{key} {message} (got {value!r})")
+    """Each section's range checks (schema.py, next to its fields)."""
+    for name, section in _sections(config).items():
+        section.check(name)
 
 
 def config_to_toml(config: JobConfig) -> str:

@@ -1,16 +1,33 @@
 """The typed schema of a training config: one dataclass per TOML section.
 
-Each field's docstring (the string literal under it) is its documentation: `python -m configs.docs`
+Each field's docstring (the string literal under it) is its documentation, and each section's
+check() the range checks of its fields: `python -m configs.docs`
 renders them into the README's reference table, and a test fails if a field has none or the README
 drifts. Key names follow torchtitan v0.2 where the concept is the same.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from configs.errors import UserError
+
+
+def require(section: str, values, rules: list[tuple[str, bool, str]]) -> None:
+    """Checks that types alone cannot express, next to the fields they check: (field, whether it
+    holds, what the field must be); the first that fails is the user's error."""
+    for name, ok, message in rules:
+        if not ok:
+            raise UserError(f"{section}.{name} {message} (got {getattr(values, name)!r})")
+
+
+class Section:
+    def check(self, section: str) -> None:
+        """Range checks of this section's fields (none unless a section defines them)."""
+
 
 @dataclass
-class Job:
+class Job(Section):
     dump_folder: str = "./outputs"
     """Folder for this run's outputs: config.toml, metrics.jsonl, tb/, checkpoints."""
 
@@ -33,9 +50,16 @@ class Job:
     a stop signal (SIGTERM, SIGUSR1, Ctrl-C); the run then stops after that step, saving a
     checkpoint when checkpointing is on. A single process checks every step."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("dump_folder", self.dump_folder.strip() != "", "must not be empty"),
+            ("dry_run_world_size", self.dry_run_world_size >= 0, "must be >= 0 (0 = as launched)"),
+            ("signal_check_interval", self.signal_check_interval >= 1, "must be >= 1"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Model:
+class Model(Section):
     name: str = "llama3"
     """Model family, a key of the registry in models/__init__.py."""
 
@@ -53,7 +77,7 @@ class Model:
 
 
 @dataclass
-class Training:
+class Training(Section):
     dataset: Literal["python_docs", "text", "tokens", "hf"] = "python_docs"
     """Data source. python_docs: the bundled sample corpus (data/sample/, no download).
     text: local .txt/.jsonl/.parquet files (dataset_path = file, folder or glob).
@@ -106,9 +130,22 @@ class Training:
     max_skipped_steps: int = 5
     """With nonfinite_policy = skip: stop once more steps than this were skipped."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("local_batch_size", self.local_batch_size >= 1, "must be >= 1"),
+            ("global_batch_size", self.global_batch_size == -1 or self.global_batch_size >= 1,
+             "must be >= 1, or -1 for local_batch_size x data-parallel degree"),
+            ("seq_len", self.seq_len >= 1, "must be >= 1"),
+            ("steps", self.steps >= 1, "must be >= 1"),
+            ("max_norm", self.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
+            ("max_skipped_steps", self.max_skipped_steps >= 0, "must be >= 0"),
+            ("dataset_path", self.dataset == "python_docs" or self.dataset_path != "",
+             f"is required when training.dataset = '{self.dataset}'"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Optimizer:
+class Optimizer(Section):
     name: Literal["AdamW"] = "AdamW"
     """Optimizer. Weight decay applies to matrices, not to norm weights."""
 
@@ -130,9 +167,18 @@ class Optimizer:
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel: auto = fused on CUDA, foreach on CPU."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number"),
+            ("beta1", 0 <= self.beta1 < 1, "must be in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "must be in [0, 1)"),
+            ("eps", self.eps > 0, "must be > 0"),
+            ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+        ])  # fmt: skip
+
 
 @dataclass
-class LRScheduler:
+class LRScheduler(Section):
     warmup_steps: int = 200
     """Steps of linear warmup from lr/(warmup_steps+1) to lr."""
 
@@ -146,9 +192,16 @@ class LRScheduler:
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of lr."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("warmup_steps", self.warmup_steps >= 0, "must be >= 0"),
+            ("decay_ratio", 0 < self.decay_ratio <= 1, "must be in (0, 1]"),
+            ("min_lr_factor", 0 <= self.min_lr_factor <= 1, "must be in [0, 1]"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Parallelism:
+class Parallelism(Section):
     data_parallel_replicate_degree: int = 1
     """HSDP replicas: groups of ranks that each hold a full (FSDP-sharded) copy of the model and
     all-reduce gradients between them. 1 = plain FSDP."""
@@ -198,16 +251,31 @@ class Parallelism:
     """Explicit split: the layers that start a new stage, e.g. ["layers.8", "layers.16"]. Overrides
     pipeline_parallel_layers_per_stage."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("data_parallel_replicate_degree", self.data_parallel_replicate_degree >= 1, "must be >= 1"),
+            ("data_parallel_shard_degree", self.data_parallel_shard_degree == -1
+             or self.data_parallel_shard_degree >= 1, "must be >= 1, or -1 (infer)"),
+            ("tensor_parallel_degree", self.tensor_parallel_degree >= 1, "must be >= 1"),
+            ("pipeline_parallel_degree", self.pipeline_parallel_degree >= 1, "must be >= 1"),
+            ("context_parallel_degree", self.context_parallel_degree >= 1, "must be >= 1"),
+            ("pipeline_parallel_microbatch_size", self.pipeline_parallel_microbatch_size >= 1,
+             "must be >= 1"),
+            ("pipeline_parallel_layers_per_stage",
+             self.pipeline_parallel_layers_per_stage == -1 or self.pipeline_parallel_layers_per_stage >= 1,
+             "must be >= 1, or -1 (balanced)"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Compile:
+class Compile(Section):
     enable: bool = False
     """torch.compile every transformer block (fullgraph unless context parallel) and the loss (not
     under TP). Costs compile time at the first step; no recompilation happens after step 2 (logged)."""
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpoint(Section):
     mode: Literal["none", "full", "selective"] = "none"
     """Recompute activations in backward instead of keeping them. full: every block keeps only
     its input. selective: see selective_ac_option."""
@@ -216,9 +284,16 @@ class ActivationCheckpoint:
     """With mode = selective: "op" keeps the outputs of matmuls and attention and recomputes the
     cheap element-wise work (norms, RoPE, SiLU); a number N checkpoints every N-th block fully."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("selective_ac_option", self.selective_ac_option == "op"
+             or (self.selective_ac_option.isdigit() and int(self.selective_ac_option) >= 1),
+             'must be "op" or a positive whole number'),
+        ])  # fmt: skip
+
 
 @dataclass
-class Float8:
+class Float8(Section):
     enable: bool = False
     """Float8 matmuls for the Linear layers (torchao; on CUDA needs compute capability 8.9+).
     Not combined with tensor parallelism."""
@@ -239,7 +314,7 @@ class Float8:
 
 
 @dataclass
-class Profiling:
+class Profiling(Section):
     enable: bool = False
     """Record torch profiler traces of some steps (see start_step, steps, ranks) under profiles/."""
 
@@ -256,9 +331,15 @@ class Profiling:
     """CUDA only: also record the allocator's history and save a memory snapshot after the profiled
     steps, or when training runs out of CUDA memory."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("start_step", self.start_step >= 1, "must be >= 1"),
+            ("steps", self.steps >= 1, "must be >= 1"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Validation:
+class Validation(Section):
     enable: bool = False
     """Compute the loss (and perplexity) on held-out data every freq steps, logged as val_loss and
     val_perplexity in metrics.jsonl and TensorBoard."""
@@ -276,9 +357,15 @@ class Validation:
     dataset_path: str = ""
     """Where the validation data is (as training.dataset_path)."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("freq", self.freq >= 1, "must be >= 1"),
+            ("steps", self.steps >= 1, "must be >= 1"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Checkpoint:
+class Checkpoint(Section):
     enable: bool = False
     """Save checkpoints, and resume from the latest one when the same command runs again."""
 
@@ -315,9 +402,19 @@ class Checkpoint:
     """Weights to start from when there is no checkpoint to resume: a checkpoint folder (step-N) or
     a Hugging Face folder of .safetensors files (converted through the model's adapter)."""
 
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("interval", self.interval >= 1, "must be >= 1"),
+            ("keep_latest_k", self.keep_latest_k >= 0, "must be >= 0 (0 keeps all)"),
+            ("folder", self.folder.strip() != "", "must not be empty"),
+            ("exclude_from_loading",
+             set(self.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
+             "may only name model, optimizer, train, dataloader"),
+        ])  # fmt: skip
+
 
 @dataclass
-class Metrics:
+class Metrics(Section):
     log_freq: int = 10
     """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
 
@@ -331,6 +428,12 @@ class Metrics:
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s per device for MFU; 0 = look the GPU up in a table (A100, H100,
     H200, B200). MFU is left empty (null) on a device the table does not know."""
+
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("log_freq", self.log_freq >= 1, "must be >= 1"),
+            ("peak_tflops", self.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
+        ])  # fmt: skip
 
 
 @dataclass
