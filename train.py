@@ -1,9 +1,16 @@
 """Pretrain a language model: the whole loop, top to bottom.
 
-    python train.py --config configs/llama3_debug.toml                    # one process
+    python train.py --config configs/llama3_debug.toml                    # one process, any machine
+    python train.py --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr=1e-3
     torchrun --standalone --nproc-per-node 8 train.py --config configs/llama3_8b.toml
     torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        train.py --config configs/llama3_70b.toml --training.steps 1000  # any key can be overridden
+        train.py --config configs/llama3_70b.toml --parallelism.tensor_parallel_degree 8
+    python train.py --config configs/llama3_70b.toml --job.dry_run --job.dry_run_world_size 64
+
+--config names a recipe (configs/*.toml); any key can then be overridden as --section.key VALUE or
+--section.key=VALUE (booleans also bare: --checkpoint.enable; lists as a,b or [1, 2]). Every key,
+its default and meaning: README.md, "Configuration" (from configs/schema.py). Run the same command
+again to resume from the latest checkpoint (--checkpoint.enable).
 
 Where things live: configs/ (schema and loader), models/ (architectures, the contract in spec.py,
 registry), data/ (tokenizer, sources, packing, loader), parallelisms/ (mesh, FSDP, TP, PP, CP,
@@ -11,26 +18,58 @@ compile, float8), training/ (process set-up, model building, one step's forward 
 optimizer, clipping, metrics), checkpoint/ (saving, resuming, Hugging Face files).
 """
 
+import os
+import sys
 import time
 
 START_TIME = time.time()  # before the heavy imports: time to first step counts them
 
+from configs import UserError, config_to_toml, load_config
+from configs.schema import JobConfig
+
+
+def read_command_line(argv: list[str]) -> JobConfig:
+    """The run's config; --help, a missing --config and config mistakes end here."""
+    if "-h" in argv or "--help" in argv:
+        print(__doc__.strip())
+        raise SystemExit(0)
+    if not any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+        raise UserError(
+            "no --config given: name a recipe, e.g. python train.py --config configs/llama3_debug.toml "
+            "(python train.py --help shows how)"
+        )
+    return load_config(argv)
+
+
+def report_user_error(error: UserError) -> int:
+    # Every rank finds the same mistake: one line per node is enough.
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+if __name__ == "__main__":
+    # --help and config mistakes are answered before the heavy imports below (torch alone takes
+    # seconds to import, tens of seconds on a busy machine); main() reads the command line again.
+    try:
+        read_command_line(sys.argv[1:])
+    except UserError as e:
+        sys.exit(report_user_error(e))
+
 import logging
-import sys
 from pathlib import Path
 
 import torch
 
 from checkpoint.manager import Checkpointer
 from checkpoint.state import TrainState
-from configs import UserError, config_to_toml, load_config
 from data.loader import build_dataloader, plan_batches
 from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
 from training import distributed, profiling
 from training.dry_run import dry_run
 from training.grad_clip import clip_grad_norm_
-from training.metrics import MetricsLogger, peak_tflops
+from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
 from training.model_setup import build_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
 from training.optimizer import Optimizers
@@ -42,8 +81,7 @@ from training.validation import Validator
 logger = logging.getLogger("train")
 
 
-def train(argv: list[str]) -> int:
-    config = load_config(argv)
+def train(config: JobConfig) -> int:
     distributed.setup_logging()
     if config.job.dry_run:
         dry_run(config)
@@ -54,12 +92,6 @@ def train(argv: list[str]) -> int:
     mesh = dims.build_mesh(device.type)
     is_logging_rank = distributed.rank() == 0
     dump_folder = Path(config.job.dump_folder)
-    if is_logging_rank:
-        try:
-            dump_folder.mkdir(parents=True, exist_ok=True)
-            (dump_folder / "config.toml").write_text(config_to_toml(config))
-        except OSError as e:
-            raise UserError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
     if config.job.description:
         logger.info(config.job.description)
 
@@ -90,8 +122,16 @@ def train(argv: list[str]) -> int:
         config.checkpoint, dump_folder, model.parts, optimizers, dataloader, train_state,
         model.spec.state_dict_adapter(model.args), config.training.steps,
     )  # fmt: skip
-    checkpointer.load()
+    resumed = checkpointer.load()
 
+    # Every check has passed: only now is anything written into the dump folder.
+    check_fresh_record(dump_folder, resumed)
+    if is_logging_rank:
+        try:
+            dump_folder.mkdir(parents=True, exist_ok=True)
+            (dump_folder / "config.toml").write_text(config_to_toml(config))
+        except OSError as e:
+            raise UserError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
     metrics = MetricsLogger(
         str(dump_folder), device, tokens_per_step, distributed.world_size(), model.flops_per_token,
         config.training.steps, peak_tflops(device, config.metrics.peak_tflops), config.metrics.log_freq,
@@ -157,12 +197,9 @@ def train(argv: list[str]) -> int:
 
 def main() -> int:
     try:
-        return train(sys.argv[1:])
+        return train(read_command_line(sys.argv[1:]))
     except UserError as e:
-        # Every rank finds the same mistake: one line per node is enough.
-        if distributed.local_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return report_user_error(e)
     except NonFiniteError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -25,7 +25,8 @@ class TrainableModel(Protocol):
     """What `spec.model_cls(args)` builds (plain PyTorch, no distributed code).
 
     The args are a dataclass with at least `vocab_size` (0 = the tokenizer's) and `max_seq_len`
-    (set to training.seq_len).
+    (set to training.seq_len); its __post_init__ raises ValueError for shapes that cannot build a
+    model (a run reports it as one error line before anything is built or written).
     """
 
     layers: nn.ModuleDict
@@ -89,14 +90,18 @@ def model_args(
 ) -> Any:
     """The flavor's args for this run: model.args changes applied, RoPE table of seq_len, vocabulary
     checked against the tokenizer."""
-    args = _with_changes(spec.flavors[flavor], changes)
-    vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64
+    try:  # the args dataclass refuses impossible shapes in __post_init__ (ValueError)
+        args = _with_changes(spec.flavors[flavor], changes)
+        vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64
+        args = dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=seq_len)
+    except ValueError as e:
+        raise UserError(f"model {spec.name} {flavor} (model.args {list(changes)}): {e}") from None
     if tokenizer_vocab_size > vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer_vocab_size} tokens but model {spec.name} {flavor} has a "
             f"vocabulary of {vocab_size}; use a matching model.hf_assets_path or flavor"
         )
-    return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=seq_len)
+    return args
 
 
 def _with_changes(args: Any, changes: list[str]) -> Any:

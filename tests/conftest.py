@@ -11,17 +11,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# Small, fast settings for end-to-end runs on CPU (fp32, one thread per rank).
-TINY = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "4",
-    "--training.steps", "6",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "1",
-    "--metrics.enable_tensorboard", "false",
-    "--training.device", "cpu",
-]  # fmt: skip
+# Small, fast settings for end-to-end runs on CPU (fp32, one thread per rank): tests/tiny.toml.
+TINY = ["--config", str(REPO / "tests" / "tiny.toml")]
 
 
 def _env(threads: int | None) -> dict[str, str]:

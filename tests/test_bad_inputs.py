@@ -92,6 +92,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     run_train(
         [*BASE, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(root / "run")]
     )
+    (root / "finished").mkdir()
+    shutil.copy(root / "run" / "metrics.jsonl", root / "finished" / "metrics.jsonl")
     for name in ("corrupt", "foreign"):
         shutil.copytree(root / "run" / "checkpoint" / "step-2", root / name / "checkpoint" / "step-2")
     data = next((root / "corrupt" / "checkpoint" / "step-2").glob("*.distcp"))
@@ -121,6 +123,12 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("model typo", ["--model.name", "lama3"], "model.name 'lama3' is not registered"),
         ("flavor", ["--model.flavor", "9B"], "model.flavor '9B' is not a llama3 flavor"),
         ("model args", ["--model.args", "n_layer=2"], "(did you mean 'n_layers'?)"),
+        ("model dim", ["--model.args", "dim=100"], "dim 100 must be divisible by n_heads 8"),
+        ("kv heads", ["--model.args", "n_kv_heads=3"], "n_heads 8 must be divisible by n_kv_heads 3"),
+        ("odd head dim", ["--model.args", "dim=40"], "dim / n_heads = 5 must be even (RoPE)"),
+        ("qwen3 head dim", ["--model.name", "qwen3", "--model.args", "head_dim=15"], "head_dim 15 must be even"),
+        ("sequence too long", ["--training.seq_len", "33554432"], "more than this host's memory per process"),
+        ("another run's folder", ["--job.dump_folder", str(root / "finished")], "already holds a run (metrics.jsonl)"),
         ("degrees vs world", ["--parallelism.tensor_parallel_degree", "2"], "world size 1 is not divisible"),
         ("degrees product", ["--parallelism.data_parallel_shard_degree", "2"], "parallelism degrees multiply to"),
         ("zero degree", ["--parallelism.context_parallel_degree", "0"], "context_parallel_degree must be >= 1"),
@@ -205,8 +213,8 @@ def test_each_mistake_gives_one_clear_error_and_harms_nothing(files, tmp_path):
     [
         (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
          "training.seq_len (30) must divide into 2 x context_parallel_degree = 4 chunks"),
-        (["--parallelism.tensor_parallel_degree", "2", "--model.args", "n_heads=6,n_kv_heads=3"],
-         "tensor_parallel_degree 2 does not divide model n_kv_heads (3)"),
+        (["--parallelism.tensor_parallel_degree", "2", "--model.args", "n_kv_heads=1"],
+         "tensor_parallel_degree 2 does not divide model n_kv_heads (1)"),
     ],
 )  # fmt: skip
 def test_layout_mistakes_on_several_ranks(overrides, expected, tmp_path):

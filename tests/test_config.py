@@ -1,6 +1,8 @@
 """Config parsing, overrides, errors, the resolved-config dump and the README reference."""
 
 import dataclasses
+import json
+import subprocess
 import sys
 
 import pytest
@@ -125,12 +127,35 @@ def test_readme_reference_is_current():
     assert section.strip() == reference_markdown().strip(), "run: python -m configs.docs --write"
 
 
-def test_train_exits_2_with_one_error_line(tmp_path):
-    result = run_train(["--training.stpes", "3", "--job.dump_folder", str(tmp_path)], check=False)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines == ["error: unknown key 'training.stpes' (did you mean 'training.steps'?)"]
-    assert not (tmp_path / "config.toml").exists()
+def launch_train_py(argv: list[str], cwd) -> tuple[int, str, str, bool]:
+    """`python train.py ARGV`, reporting (exit code, stdout, stderr, whether torch was imported)."""
+    script = ("import json, runpy, sys\n"
+              f"sys.argv = ['train.py', *{argv!r}]; sys.path.insert(0, {str(REPO)!r})\n"
+              "try:\n"
+              f"    runpy.run_path({str(REPO / 'train.py')!r}, run_name='__main__')\n"
+              "except SystemExit as e:\n"
+              "    print(json.dumps([e.code, 'torch' in sys.modules]))\n")  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    code, imported_torch = json.loads(result.stdout.strip().splitlines()[-1])
+    return code, result.stdout, result.stderr, imported_torch
+
+
+def test_help_missing_config_and_config_mistakes_answer_before_torch_is_imported(tmp_path):
+    code, out, err, torch_imported = launch_train_py(["--help"], tmp_path)
+    assert code == 0 and "--section.key VALUE" in out and "README.md" in out and not torch_imported
+    code, out, err, torch_imported = launch_train_py([], tmp_path)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: no --config given: name a recipe, e.g. python train.py --config configs/llama3_debug.toml "
+        "(python train.py --help shows how)"
+    ]
+    code, out, err, torch_imported = launch_train_py([*TINY, "--training.stpes", "3"], tmp_path)
+    assert code == 2 and not torch_imported
+    assert err.strip().splitlines() == [
+        "error: unknown key 'training.stpes' (did you mean 'training.steps'?)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_train_writes_the_resolved_config(tmp_path):

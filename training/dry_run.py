@@ -29,10 +29,7 @@ def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
     mesh = dims.build_mesh("cpu")
     model = build_model(config, dims, mesh, torch.device("cpu"), initialize=False)
     global_batch, accumulation = plan_batches(config.training, dims.dp)
-    tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
-    in_flight = dims.pp if dims.pp_enabled else 1
-    estimate = memory_estimate.estimate(model.parts, model.args, tokens, dims.tp, dims.fsdp_enabled,
-                                        config.activation_checkpoint.mode, in_flight)  # fmt: skip
+    estimate = memory_estimate.for_config(config, dims, model.parts, model.args)
     logger.info(
         f"dry run of {model.spec.name} {config.model.flavor} ({model.num_params:,} parameters): "
         f"{dims.describe()}"

@@ -13,11 +13,14 @@ ffn 8192); full activation checkpointing keeps only each block's input plus one 
 activations. It is an estimate: check against a measured peak before relying on it.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from configs import UserError
 
 ACTIVATION_BYTES_PER_FFN = 6.6
 GIB = 2**30
@@ -78,3 +81,29 @@ def estimate(
         gathered_gib=(2 * 2 * block_params / tp / GIB) if fsdp else 0.0,
         activations_gib=activations / GIB,
     )
+
+
+def for_config(config, dims, model_parts: list[nn.Module], args) -> MemoryEstimate:
+    """The estimate for this rank of a run: its parts, its micro-batch, its layout."""
+    tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
+    in_flight = dims.pp if dims.pp_enabled else 1
+    return estimate(model_parts, args, tokens, dims.tp, dims.fsdp_enabled,
+                    config.activation_checkpoint.mode, in_flight)  # fmt: skip
+
+
+def check_fits(estimate: MemoryEstimate, device: torch.device, local_processes: int) -> None:
+    """Refuse, before anything is allocated, a run whose estimate exceeds the device's memory (the
+    host's memory shared by its processes on a CPU), instead of failing minutes later."""
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory / GIB
+        where = f"{torch.cuda.get_device_name(device)} ({available:.0f} GiB)"
+    else:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / local_processes
+        where = f"this host's memory per process ({available:.0f} GiB)"
+    if estimate.total_gib > available:
+        raise UserError(
+            f"the run needs about {estimate.total_gib:,.0f} GiB per rank (activations "
+            f"~{estimate.activations_gib:,.0f} GiB), more than {where}: lower training.seq_len or "
+            "training.local_batch_size, turn on activation_checkpoint.mode, or spread the model over "
+            "more ranks (python train.py ... --job.dry_run shows the estimate)"
+        )

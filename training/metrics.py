@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from configs import UserError
+
 logger = logging.getLogger(__name__)
 
 # Peak dense bf16 TFLOP/s (no sparsity) from the vendors' datasheets; the first key that the GPU's
@@ -62,6 +64,18 @@ def _memory_gib(device: torch.device) -> float:
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def check_fresh_record(dump_folder: Path, resumed: bool) -> None:
+    """A run that does not continue from a checkpoint must not add its records to another run's
+    (metrics.jsonl would hold two runs' steps, tb/ two event files)."""
+    record = dump_folder / "metrics.jsonl"
+    if not resumed and record.exists() and record.stat().st_size > 0:
+        raise UserError(
+            f"job.dump_folder '{dump_folder}' already holds a run (metrics.jsonl) and there is no "
+            "checkpoint of it to continue (checkpoint.enable); choose a new job.dump_folder or remove "
+            "that run's files"
+        )
 
 
 class MetricsLogger:

@@ -5,6 +5,7 @@ train.py and the dry run (training/dry_run.py) both build through here, so a con
 accepts the other accepts too, and both see the same sharded model.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from parallelisms import ParallelDims, parallelize
 from parallelisms.context_parallel import local_positions
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline import check_schedule, split_model
+from training import memory_estimate
 from training.weight_init import init_weights, materialize
 
 
@@ -67,7 +69,8 @@ def resolve_model(config: JobConfig, dims: ParallelDims) -> tuple[ModelSpec, Tok
 def build_model(
     config: JobConfig, dims: ParallelDims, mesh: Meshes, device: torch.device, initialize: bool = True
 ) -> BuiltModel:
-    """initialize=False (dry run) leaves the parallelized parts on the meta device."""
+    """initialize=False (dry run) leaves the parallelized parts on the meta device; before initializing,
+    a run whose estimated memory per rank exceeds the device is refused (training/memory_estimate.py)."""
     spec, tokenizer, args = resolve_model(config, dims)
     with torch.device("meta"):
         model = spec.model_cls(args)
@@ -84,6 +87,8 @@ def build_model(
     for part in parts:
         parallelize(part, spec, args, dims, mesh, config, device, dtype)
     if initialize:
+        estimate = memory_estimate.for_config(config, dims, parts, args)
+        memory_estimate.check_fits(estimate, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         with torch.device("meta"):
             template = spec.model_cls(args)  # unsharded reference for layout-independent init
         # A context-parallel rank holds some chunks of every sequence: these token positions.

@@ -42,6 +42,19 @@ class Llama3Args:
     tie_embeddings: bool = False
     """Output projection shares the token-embedding matrix (Llama 3.2 1B and 3B)."""
 
+    def __post_init__(self) -> None:
+        """Shapes that cannot build a model (ValueError, reported as the run's error line)."""
+        if min(self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.ffn_hidden_dim) < 1:
+            raise ValueError("dim, n_layers, n_heads, n_kv_heads and ffn_hidden_dim must be >= 1")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} must be divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"the head dimension dim / n_heads = {self.dim // self.n_heads} must be even (RoPE)"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}")
+
 
 def rope_frequencies(args: Llama3Args) -> torch.Tensor:
     """Per-pair rotation frequencies, with the Llama 3.1 long-context scaling."""

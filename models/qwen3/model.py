@@ -30,6 +30,18 @@ class Qwen3Args:
     """Length of the RoPE table; train.py sets it to training.seq_len."""
     tie_embeddings: bool = False
 
+    def __post_init__(self) -> None:
+        """Shapes that cannot build a model (ValueError, reported as the run's error line)."""
+        if (
+            min(self.dim, self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.ffn_hidden_dim)
+            < 1
+        ):
+            raise ValueError("dim, n_layers, n_heads, n_kv_heads, head_dim and ffn_hidden_dim must be >= 1")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even (RoPE)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} must be divisible by n_kv_heads {self.n_kv_heads}")
+
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x (batch, seq, heads, head_dim) with cos/sin (seq, head_dim / 2), in float32."""
