@@ -189,7 +189,8 @@ def train(config: JobConfig) -> int:
     checkpointer.close()
     metrics.close()
     if config.compile.enable:
-        logger.info(f"torch.compile: {step_runner.recompiles.recompiled} frames compiled after step 2")
+        frames = step_runner.recompiles.recompiled
+        logger.info(f"torch.compile: {frames} frame{'s' * (frames != 1)} compiled after step 2")
     logger.info("training done" if not stop_signals.name else "training stopped")
     distributed.destroy_process_group(wait_for_peers=True)
     return 130 if stop_signals.name == "SIGINT" else 0

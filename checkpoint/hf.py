@@ -81,7 +81,8 @@ def locate(
                 found[name] = Location(file, hf_name, shape)
     missing = sorted(set(shapes) - set(found))
     if missing:
-        raise UserError(f"Hugging Face checkpoint {folder} lacks {len(missing)} tensors, e.g. {missing[0]}")
+        count = f"{len(missing)} tensor{'s' * (len(missing) != 1)}"
+        raise UserError(f"Hugging Face checkpoint {folder} lacks {count}, e.g. {missing[0]}")
     return found
 
 

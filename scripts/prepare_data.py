@@ -68,7 +68,8 @@ def prepare(args: argparse.Namespace) -> None:
     write_meta(partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name, shards)
     partial.rename(output)
     total = sum(s["num_tokens"] for s in shards)
-    print(f"{total_documents:,} documents, {total:,} tokens in {len(shards)} shards -> {output}")
+    files = f"{len(shards)} shard{'s' * (len(shards) != 1)}"
+    print(f"{total_documents:,} documents, {total:,} tokens in {files} -> {output}")
 
 
 def main() -> int:

@@ -59,8 +59,9 @@ class NonFiniteGuard:
             )
         if bad_steps > self.max_skipped_steps:
             raise NonFiniteError(
-                f"{what}; {bad_steps} steps skipped, more than training.max_skipped_steps "
-                f"({self.max_skipped_steps}); no update made since the limit was passed"
+                f"{what}; {bad_steps} step{'s' * (bad_steps != 1)} skipped, more than "
+                f"training.max_skipped_steps ({self.max_skipped_steps}); no update made since the limit "
+                "was passed"
             )
         logger.warning(
             f"{what}: its update was skipped ({bad_steps - self.reported} skipped since the last report, "
