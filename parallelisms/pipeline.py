@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
 
 from configs import UserError
 from configs.schema import Parallelism
+from parallelisms.tied_weights import tied_parameter_names
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -150,11 +151,27 @@ def split_model(
     head, tail = list(head), list(tail)
     layers = [f"layers.{key}" for key in model.layers]
     groups = stage_module_names(head, layers, tail, config, pp_mesh.size())
+    _check_tied_weights_within_stages(model, groups)
     indices = stages_of_rank(
         pp_mesh.get_local_rank(), pp_mesh.size(), len(groups), config.pipeline_parallel_schedule
     )
     candidates = [*head, *layers, *tail]
     return [keep_only(model, groups[i], candidates) for i in indices], indices, len(groups)
+
+
+def _check_tied_weights_within_stages(model: nn.Module, groups: list[list[str]]) -> None:
+    """One parameter under two names (tied embedding and output) must live on one stage: split, it
+    would become two parameters that nothing keeps equal (and the copy would not be initialized)."""
+    stage_of = {module: index for index, names in enumerate(groups) for module in names}
+    for names in tied_parameter_names(model):
+        stages = {
+            stage_of.get(module) for name in names for module in stage_of if name.startswith(module + ".")
+        }
+        if len(stages) > 1:
+            raise UserError(
+                f"{' and '.join(names)} are one tied parameter but fall on different pipeline stages; "
+                "untie them (e.g. --model.args tie_embeddings=false) or run without pipeline parallelism"
+            )
 
 
 class Pipeline:

@@ -140,6 +140,8 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("compile x TP x AC", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
                                "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
          "compile with activation checkpointing and tensor parallelism fails"),
+        ("tied weights x PP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.pipeline_parallel_degree",
+                               "2", "--model.args", "tie_embeddings=true"], "are one tied parameter but fall on different"),
         ("float8 x TP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
                          "2", "--float8.enable"], "float8 with tensor parallelism is not supported"),
         ("no data path", ["--training.dataset", "text"], "training.dataset_path is required"),
