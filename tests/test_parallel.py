@@ -29,10 +29,6 @@ LAYOUTS = {
     "fsdp4": (4, "--training.local_batch_size 2"),
     "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
     "tp2": (2, f"{TP2} --training.local_batch_size 8"),
-    "tp2_no_loss_parallel": (
-        2,
-        f"{TP2} --training.local_batch_size 8 --parallelism.enable_loss_parallel false",
-    ),
     "tp4": (4, "--parallelism.tensor_parallel_degree 4 --training.local_batch_size 8"),
     "fsdp2_tp2": (4, f"{TP2} --training.local_batch_size 4"),
     "fsdp2_tp2_no_loss_parallel": (
@@ -55,12 +51,14 @@ SCHEDULES = [
     "DualPipeV",
 ]
 for name in SCHEDULES:
-    # 8 micro-batches of 1; PP 4 with two stages per rank needs 8 layers (model.args).
+    # 8 micro-batches of 1; PP 4 with two stages per rank needs 8 layers (model.args). The one-stage
+    # schedules (GPipe, 1F1B) run at PP 2 only: PP 4 adds no code path to them.
     LAYOUTS[f"pp2_{name}"] = (2, f"{PP} 2 {SCHEDULE} {name} --training.local_batch_size 8")
-    LAYOUTS[f"pp4_{name}"] = (
-        4,
-        f"{PP} 4 {SCHEDULE} {name} --training.local_batch_size 8 --model.args n_layers=8",
-    )
+    if name not in ("GPipe", "1F1B"):
+        LAYOUTS[f"pp4_{name}"] = (
+            4,
+            f"{PP} 4 {SCHEDULE} {name} --training.local_batch_size 8 --model.args n_layers=8",
+        )
 LAYOUTS |= {
     "pp2_fsdp2_1F1B": (4, f"{PP} 2 --training.local_batch_size 4"),
     "pp2_fsdp2_Interleaved1F1B": (4, f"{PP} 2 {SCHEDULE} Interleaved1F1B --training.local_batch_size 4"),
@@ -81,7 +79,6 @@ LAYOUTS |= {
 
 
 QWEN3_LAYOUTS = [
-    "tp2",
     "fsdp2_tp2",
     "pp4_Interleaved1F1B",
     "pp2_ZBVZeroBubble",
