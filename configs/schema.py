@@ -123,9 +123,10 @@ class Training(Section):
     """auto: CUDA when available, else CPU."""
 
     nonfinite_policy: Literal["stop", "skip", "off"] = "stop"
-    """A step whose loss or gradient norm is NaN/Inf: stop training before the optimizer update
-    (error naming the step), skip its update (up to max_skipped_steps), or off (no check; saves one
-    host-device synchronization per step)."""
+    """A step whose loss or gradient norm is NaN/Inf never updates the weights. stop: no update from
+    that step on, and the run ends at the next logged step or save with an error naming the step;
+    skip: skip its update (up to max_skipped_steps); off: no check. The check runs on the device
+    (no synchronization with fused AdamW)."""
 
     max_skipped_steps: int = 5
     """With nonfinite_policy = skip: stop once more steps than this were skipped."""
