@@ -5,6 +5,7 @@ run of 10 steps that also saves at step 5.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -134,14 +135,16 @@ def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference
     assert first["sample_ids"] == list(range(40, 56))
 
 
-def test_incomplete_save_is_ignored(reference, tmp_path):
+def test_incomplete_save_is_ignored_and_an_unverifiable_checkpoint_loads(reference, tmp_path):
     folder = resume_from(reference, tmp_path)
     partial = folder / "checkpoint" / "step-7.partial"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    (folder / "checkpoint" / "step-5" / "checksums.json").unlink()  # as code before checksums saved it
     result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
     assert "resumed from" in result.stdout and "step-5" in result.stdout
     assert "ignoring" in result.stdout and "step-7.partial" in result.stdout
+    assert "step-5 has no checksums.json (saved by an older version)" in result.stdout
     assert_continues(folder, reference, rel=0)  # same layout: bitwise
 
 
@@ -163,6 +166,12 @@ def test_async_save_writes_the_same_bytes_as_sync(mode, reference, tmp_path):
         # .metadata also records the path and a save id; what it says of the data must agree.
         index = [FileSystemReader(str(f)).read_metadata().state_dict_metadata for f in (sync, asynchronous)]
         assert index[0] == index[1]
+        # The checksums of the data files, taken in the background, are those of the blocking save.
+        recorded = [json.loads((f / "checksums.json").read_text())["files"] for f in (sync, asynchronous)]
+        assert {k: v for k, v in recorded[1].items() if k != ".metadata"} == {
+            k: v for k, v in recorded[0].items() if k != ".metadata"
+        }
+        assert set(recorded[1]) == {".metadata", *data}
 
 
 def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
@@ -206,15 +215,22 @@ def error_line(result) -> str:
     return lines[0]
 
 
-def test_corrupt_checkpoint_is_refused_and_kept(reference, tmp_path):
-    folder = resume_from(reference, tmp_path)
-    data = next((folder / "checkpoint" / "step-5").glob("*.distcp"))
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+def test_damaged_checkpoint_is_refused_by_every_rank_and_kept(sources, tmp_path):
+    """4 KiB flipped in rank 1's file (same size): rank 1 finds it, both ranks stop before loading."""
+    folder = resume_from(sources["fsdp2"], tmp_path)
+    data = folder / "checkpoint" / "step-5" / "__1_0.distcp"
+    content = bytearray(data.read_bytes())
+    content[4096:8192] = bytes(byte ^ 0xFF for byte in content[4096:8192])
+    data.write_bytes(bytes(content))
     before = checksums(folder / "checkpoint" / "step-5")
-    result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)], check=False)
-    assert "could not be read" in error_line(result) and "step-5" in error_line(result)
-    assert checksums(folder / "checkpoint" / "step-5") == before
-    assert not (folder / "metrics.jsonl").exists()
+    result = run_train([*COMMON, "--training.local_batch_size", "4", "--job.dump_folder", str(folder)],
+                       nproc=2, check=False)  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    damaged = folder / "checkpoint" / "step-5"
+    assert f"checkpoint {damaged} is damaged: __1_0.distcp does not match its checksum" in errors[0]
+    assert checksums(damaged) == before
+    assert not (folder / "metrics.jsonl").exists() and "resumed from" not in result.stdout
 
 
 def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
