@@ -257,13 +257,13 @@ class Checkpointer:
                 f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
             ) from None
         if "train" in parts:  # before anything is loaded into the model
-            self.train_state.check_model(state["train"]["model"], str(path))
+            self.train_state.check_model(state["train"]["model"], str(path), self.config.allow_model_change)
         if "model" in parts:
             load_model_state(self.model_parts, state["model"])
         if "optimizer" in parts:
             load_optimizer_state(self.model_parts, self.optimizers.parts, state["optimizer"])
         if "train" in parts:
-            self.train_state.load_dict(state["train"], str(path))
+            self.train_state.load_dict(state["train"])
         if "dataloader" in parts:
             self.dataloader.load_state_dict(state["dataloader"])
         logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")

@@ -398,6 +398,11 @@ class Checkpoint(Section):
     """Parts of a checkpoint not to load when resuming: any of "model", "optimizer", "train" (step,
     tokens seen, RNG), "dataloader" (the data cursor)."""
 
+    allow_model_change: bool = False
+    """Resume even though the checkpoint's model differs from this run's in architecture arguments
+    (e.g. rope_theta, norm_eps), for a deliberate change: the differences are logged as a warning
+    instead of stopping the run. Tensor shapes must still match."""
+
     initial_load_path: str = ""
     """Weights to start from when there is no checkpoint to resume: a checkpoint folder (step-N) or
     a Hugging Face folder of .safetensors files (converted through the model's adapter)."""

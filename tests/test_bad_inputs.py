@@ -184,6 +184,11 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
          "checkpoint/step-2 is damaged: its checksums.json cannot be read"),
         ("another model's checkpoint", ["--checkpoint.enable", "--model.flavor", "debugmodel",
                                         "--job.dump_folder", str(root / "foreign")], "holds a different model"),
+        ("another model's arguments", ["--checkpoint.enable", "--model.args", "rope_theta=10000", "--job.dump_folder",
+                                       str(root / "foreign")], "holds another model (rope_theta 500000.0 there, 10000.0 here)"),
+        ("model change allowed, shapes not", ["--checkpoint.enable", "--checkpoint.allow_model_change", "--model.flavor",
+                                              "debugmodel", "--job.dump_folder", str(root / "foreign")],
+         "holds a different model: tok_embeddings.weight is (320, 64) there, (320, 256) here"),
     ]  # fmt: skip
 
 

@@ -244,6 +244,16 @@ def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
     )
 
 
+def test_allow_model_change_resumes_another_models_checkpoint_with_a_warning(reference, tmp_path):
+    """Another rope_theta is refused (the catalog); allowed on purpose, it loads and lists what differs."""
+    folder = resume_from(reference, tmp_path)
+    changed = ["--model.args", "rope_theta=10000", "--checkpoint.allow_model_change"]
+    result = run_train([*COMMON, *SINGLE, *changed, "--job.dump_folder", str(folder)])
+    assert "holds another model (rope_theta 500000.0 there, 10000.0 here); loading it" in result.stdout
+    assert "resumed from" in result.stdout
+    assert sorted(by_step(read_metrics(folder))) == list(range(6, STEPS + 1))
+
+
 def test_unknown_load_step_is_refused(reference, tmp_path):
     folder = resume_from(reference, tmp_path)
     result = run_train([*COMMON, *SINGLE, "--checkpoint.load_step", "7", "--job.dump_folder", str(folder)],
