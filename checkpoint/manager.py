@@ -74,6 +74,8 @@ class Checkpointer:
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
+        if not config.enable and self.is_rank0:
+            _warn_about_unused_saving_keys(config)
 
     # ---- what is saved -------------------------------------------------------------------
     def _state(self, parts=PARTS) -> dict:
@@ -320,6 +322,16 @@ class Checkpointer:
                 ) from None
             load_model_state(self.model_parts, state["model"])
         logger.info(f"initial weights from {path}")
+
+
+def _warn_about_unused_saving_keys(config: Checkpoint) -> None:
+    """Saving keys set with saving off: a recipe may keep them so (resuming keys set without enable
+    are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
+    defaults = Checkpoint()
+    keys = ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only", "export_dtype")
+    unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
+    if unused:
+        logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")
 
 
 def _neither_weights_message(path: Path) -> str:

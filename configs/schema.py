@@ -364,6 +364,9 @@ class Validation(Section):
         ])  # fmt: skip
 
 
+RESUMING_ONLY = "has no effect unless checkpoint.enable = true (without it nothing is resumed)"
+
+
 @dataclass
 class Checkpoint(Section):
     enable: bool = False
@@ -415,6 +418,12 @@ class Checkpoint(Section):
             ("exclude_from_loading",
              set(self.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
              "may only name model, optimizer, train, dataloader"),
+            # Resuming needs enable; these keys do nothing else, so one set without it is a mistake.
+            # Saving keys (interval, ...) only warn (checkpoint/manager.py): a recipe may keep them
+            # with saving off and a command line turn it on.
+            ("load_step", self.enable or self.load_step == -1, RESUMING_ONLY),
+            ("exclude_from_loading", self.enable or not self.exclude_from_loading, RESUMING_ONLY),
+            ("allow_model_change", self.enable or not self.allow_model_change, RESUMING_ONLY),
         ])  # fmt: skip
 
 

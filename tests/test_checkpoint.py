@@ -105,7 +105,9 @@ def test_kill_9_and_rerun_resumes_bitwise(tmp_path):
     steps = ["--training.steps", "60", "--checkpoint.interval", "10"]
     args = [*COMMON, *steps, "--training.local_batch_size", "4"]
     uninterrupted = tmp_path / "uninterrupted"
-    run_train([*args, "--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)], nproc=2)
+    off = ["--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)]
+    result = run_train([*args, *off], nproc=2)
+    assert "checkpoint.interval set, but checkpoint.enable is false: no checkpoint is saved" in result.stdout
     folder = tmp_path / "killed"
     process = start_train([*args, "--job.dump_folder", str(folder)], nproc=2, log=tmp_path / "killed.log")
     deadline = time.time() + 120
