@@ -74,6 +74,27 @@ def start_train(args: list[str], nproc: int | None = None, log: Path | None = No
     )
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process started under pid. torchrun starts each worker in a session of its own, so
+    killing torchrun's process group leaves the workers running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it just ended
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
+        children.setdefault(parent, []).append(int(entry.name))
+    found, unvisited = [], [pid]
+    while unvisited:
+        below = children.get(unvisited.pop(), [])
+        found += below
+        unvisited += below
+    return found
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

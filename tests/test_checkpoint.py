@@ -7,13 +7,15 @@ run of 10 steps that also saves at step 5.
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_metrics, run_train, start_train
+import torch
+from conftest import TINY, descendants, read_metrics, run_train, start_train
 
 STEPS = 10
 # Global batch 8, checkpoints every 5 steps, sample ids recorded.
@@ -100,8 +102,16 @@ def test_data_parallel_2_to_4_reads_the_same_samples(reference, sources, tmp_pat
     assert_continues(folder, reference, rel=1e-5)
 
 
-def test_kill_9_and_rerun_resumes_bitwise(tmp_path):
-    """kill -9 a 2-rank run somewhere after its first checkpoint; the same command finishes it."""
+def logged_steps(folder: Path) -> list[int]:
+    """Steps in metrics.jsonl so far (a run being written or killed may leave half a last line)."""
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
+    """kill -9 a 2-rank run after it logged steps past its latest checkpoint; the same command
+    finishes it, and metrics.jsonl drops the steps it redoes."""
     steps = ["--training.steps", "60", "--checkpoint.interval", "10"]
     args = [*COMMON, *steps, "--training.local_batch_size", "4"]
     uninterrupted = tmp_path / "uninterrupted"
@@ -111,21 +121,65 @@ def test_kill_9_and_rerun_resumes_bitwise(tmp_path):
     folder = tmp_path / "killed"
     process = start_train([*args, "--job.dump_folder", str(folder)], nproc=2, log=tmp_path / "killed.log")
     deadline = time.time() + 120
+    past_a_checkpoint = lambda steps: (folder / "checkpoint" / "step-10").exists() and steps[-1] % 10 != 0
     while (
-        not (folder / "checkpoint" / "step-10").exists() and process.poll() is None and time.time() < deadline
+        not past_a_checkpoint(logged_steps(folder) or [0])
+        and process.poll() is None
+        and time.time() < deadline
     ):
         time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun and its workers at once
+        os.kill(pid, signal.SIGKILL)
     process.wait()
-    assert (folder / "checkpoint" / "step-10").exists()
-    killed_at = max(r["step"] for r in read_metrics(folder))
-    assert killed_at < 60, "the run finished before it could be killed"
+    killed_at = max(logged_steps(folder))
+    assert (folder / "checkpoint" / "step-10").exists() and killed_at < 60, "killed too late"
     result = run_train([*args, "--job.dump_folder", str(folder)], nproc=2)
-    assert "resumed from" in result.stdout
+    resumed = int(re.search(r"resumed from \S+step-(\d+) ", result.stdout).group(1))
+    assert resumed < killed_at  # steps resumed + 1 .. killed_at were logged twice
+    assert f"metrics.jsonl continues after step {resumed} (" in result.stdout
     want = by_step(read_metrics(uninterrupted))
-    got = by_step(read_metrics(folder))
-    assert sorted(got) == list(range(1, 61))
-    assert [got[s]["loss"] for s in range(1, 61)] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == list(range(1, 61))  # one record per step, in order
+    assert [r["loss"] for r in records] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+
+
+def tensorboard_losses(folder: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tb"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars("loss")]
+
+
+def test_resume_drops_the_metrics_and_tensorboard_events_of_redone_steps(tmp_path):
+    """Steps 1-23 logged (validation at 10 and 20, half a line at the end), resumed from step 20:
+    21-23 are dropped from metrics.jsonl and hidden in TensorBoard; validation records stay."""
+    from training.metrics import MetricsLogger
+
+    def logger(resumed_step: int) -> MetricsLogger:
+        return MetricsLogger(str(tmp_path), torch.device("cpu"), 64, 1, 1.0, 30, None, 1, write=True,
+                             enable_tensorboard=True, resumed_step=resumed_step)  # fmt: skip
+
+    first = logger(0)
+    for step in range(1, 24):
+        first.log(step, float(step), 1.0, 1e-3)
+        if step % 10 == 0:
+            first.log_validation(step, {"val_loss": 0.5, "val_perplexity": 1.6})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 24, "lo')  # killed while writing
+    second = logger(20)
+    second.tensorboard.flush()
+    assert tensorboard_losses(tmp_path) == [(s, float(s)) for s in range(1, 21)]  # before any new log
+    for step in range(21, 26):
+        second.log(step, 100.0 + step, 1.0, 1e-3)
+    second.close()
+    records = read_metrics(tmp_path)
+    training = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    assert training == [(s, float(s)) for s in range(1, 21)] + [(s, 100.0 + s) for s in range(21, 26)]
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)  # each after its step's
+    assert tensorboard_losses(tmp_path) == training
 
 
 def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference, tmp_path):
