@@ -10,12 +10,14 @@ import os
 import re
 import shutil
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, descendants, read_metrics, run_train, start_train
+from conftest import REPO, TINY, children, descendants, fake_slurm, read_metrics, run_train, start_train
 
 STEPS = 10
 # Global batch 8, checkpoints every 5 steps, sample ids recorded.
@@ -344,3 +346,62 @@ def test_qwen3_checkpoint_reshards(tmp_path):
     layout = [*SINGLE, "--parallelism.tensor_parallel_degree", "2"]
     run_train([*qwen3, *layout, "--job.dump_folder", str(folder)], nproc=2)
     assert_continues(folder, single, rel=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_and_stop(command: list[str], env: dict, folder: Path, sig: signal.Signals, log: Path) -> int:
+    """Start a launcher script (2 ranks), send sig to the launcher process once training runs past
+    any checkpoint the run resumed from, and return its exit code once every process has ended."""
+    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)  # fmt: skip
+    saved = max((int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*[0-9]")), default=0)
+    deadline = time.time() + 120
+    while max(logged_steps(folder), default=0) <= saved and process.poll() is None:
+        assert time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    started = descendants(process.pid)
+    # The launcher is the script's process (multinode.sh execs it) or, under Slurm, the job step's
+    # task: the script's child (the fake srun and the task's shell exec it).
+    launcher = process.pid if command[1].endswith("multinode.sh") else children()[process.pid][0]
+    os.kill(launcher, sig)
+    code = process.wait(timeout=120)
+    live = lambda: set(started) & {pid for pids in children().values() for pid in pids}
+    while live() and time.time() < deadline:  # a worker that outlived its launcher
+        time.sleep(0.05)
+    assert not live(), log.read_text()[-2000:]
+    return code
+
+
+def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
+    """SIGTERM to scripts/multinode.sh, then SIGUSR1 (Slurm's notice) to the task of
+    scripts/slurm.sbatch under a fake Slurm, 2 ranks each, the same train.py arguments: each time
+    the workers save and stop, every process ends, the exit code is 0; the second run resumes."""
+    folder = tmp_path / "run"
+    train_args = [*COMMON, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                  "--training.local_batch_size", "4", "--job.dump_folder", str(folder)]  # fmt: skip
+    runs = [
+        (["bash", str(REPO / "scripts/multinode.sh"), *train_args], signal.SIGTERM,
+         dict(os.environ, NNODES="1", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")),
+        (["bash", str(REPO / "scripts/slurm.sbatch"), *train_args], signal.SIGUSR1, fake_slurm(tmp_path)),
+    ]  # fmt: skip
+    saved = []
+    for index, (command, sig, env) in enumerate(runs):
+        log = tmp_path / f"run{index}.log"
+        code = launch_and_stop(command, {**env, "MASTER_PORT": str(free_port())}, folder, sig, log)
+        output = log.read_text()
+        assert code == 0, output[-3000:]
+        stops = re.findall(rf"stopped by {sig.name} after step (\d+): saved (\S+)", output)
+        assert len(stops) == 1, output[-3000:]
+        step = int(stops[0][0])
+        assert stops[0][1] == str(folder / "checkpoint" / f"step-{step}")
+        assert (folder / "checkpoint" / f"step-{step}" / "checksums.json").exists()
+        if saved:
+            assert f"resumed from {folder / 'checkpoint' / f'step-{saved[-1]}'} " in output
+        saved.append(step)
+    assert saved[0] < saved[1]
+    assert [r["step"] for r in read_metrics(folder)] == list(range(1, saved[1] + 1))
