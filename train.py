@@ -136,6 +136,7 @@ def train(config: JobConfig) -> int:
         str(dump_folder), device, tokens_per_step, distributed.world_size(), model.flops_per_token,
         config.training.steps, peak_tflops(device, config.metrics.peak_tflops), config.metrics.log_freq,
         write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
+        resumed_step=train_state.step,
     )  # fmt: skip
     first_step, last_step = train_state.step + 1, config.training.steps
     logger.info(

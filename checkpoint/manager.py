@@ -5,10 +5,12 @@ Layout on disk, under <dump_folder>/<checkpoint.folder>:
     step-1000.partial/ a save in progress (or killed): never loaded, never counted
     step-100.deleting/ an old checkpoint being deleted (keep_latest_k), in the background
 A save is written to step-N.partial and renamed to step-N by rank 0 once every rank has finished
-(DCP writes .metadata last, after all ranks' data). Re-running the same command resumes from the
-latest complete checkpoint; without one, checkpoint.initial_load_path gives starting weights.
+(DCP writes .metadata last, after all ranks' data) and checksums.json records every file's checksum
+(checkpoint/integrity.py), verified before anything is loaded. Re-running the same command resumes
+from the latest complete checkpoint; without one, checkpoint.initial_load_path gives starting weights.
 """
 
+import concurrent.futures
 import logging
 import re
 import shutil
@@ -23,7 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint import hf
+from checkpoint import hf, integrity
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
 from configs import UserError
 from configs.errors import first_line
@@ -66,11 +68,14 @@ class Checkpointer:
         self.train_state = train_state
         self.adapter = adapter
         self.total_steps = total_steps
-        self.is_rank0 = dist.get_rank() == 0
-        self.pending = None  # (future, partial path, final path) of an async save
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
+        self.pending = None  # (future of this rank's checksums, partial path, final path) of an async save
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
+        if not config.enable and self.is_rank0:
+            _warn_about_unused_saving_keys(config)
 
     # ---- what is saved -------------------------------------------------------------------
     def _state(self, parts=PARTS) -> dict:
@@ -115,11 +120,11 @@ class Checkpointer:
         start = time.perf_counter()
         if self.config.async_mode == "disabled" or blocking or model_only:
             dcp.save(state, checkpoint_id=str(partial))
+            self._write_checksums(partial, integrity.checksum(integrity.own_files(partial, self.rank)))
             self._commit(partial, final)
             logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
         else:
-            future = self._async_save(state, partial)
-            self.pending = (future, partial, final)
+            self.pending = (self._checksummed(self._async_save(state, partial), partial), partial, final)
             logger.info(
                 f"saving checkpoint {final} in the background (staged in {time.perf_counter() - start:.1f} s)"
             )
@@ -145,13 +150,26 @@ class Checkpointer:
             return getattr(response, "upload_completion", response)
         return dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
 
+    def _checksummed(self, written: concurrent.futures.Future, partial: Path) -> concurrent.futures.Future:
+        """This rank's checksums, taken in the background thread once its files are written."""
+        checksums = concurrent.futures.Future()
+
+        def checksum(_) -> None:
+            try:
+                written.result()
+                checksums.set_result(integrity.checksum(integrity.own_files(partial, self.rank)))
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                checksums.set_exception(e)
+
+        written.add_done_callback(checksum)
+        return checksums
+
     def wait(self) -> None:
         """Finish the background save, if any, and commit it."""
         if self.pending is None:
             return
-        future, partial, final = self.pending
-        future.result()
-        dist.barrier(group=self.group)  # every rank's part is written
+        checksums, partial, final = self.pending
+        self._write_checksums(partial, checksums.result())
         self._commit(partial, final)
         self.pending = None
         logger.info(f"saved checkpoint {final}")
@@ -160,6 +178,18 @@ class Checkpointer:
         """At the end of training: the background save and deletion finished."""
         self.wait()
         self._wait_for_deletion()
+
+    def _write_checksums(self, partial: Path, own: dict[str, dict]) -> None:
+        """Rank 0 writes every rank's checksums, and those of .metadata, into the checkpoint. Once rank 0
+        has them all, every rank's part is written."""
+        gathered = [{} for _ in range(dist.get_world_size(self.group))] if self.is_rank0 else None
+        dist.gather_object(own, gathered, dst=0, group=self.group)
+        if self.is_rank0:
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            # .metadata, and any data file named unlike DCP names them today (a later torch).
+            others = [p for p in sorted(partial.glob("*.distcp")) if p.name not in files]
+            files.update(integrity.checksum([*others, partial / ".metadata"]))
+            integrity.write_manifest(partial, files)
 
     def _commit(self, partial: Path, final: Path) -> None:
         if self.is_rank0:
@@ -206,7 +236,9 @@ class Checkpointer:
                 raise UserError(
                     f"checkpoint.load_step {step}: no complete checkpoint step-{step} in {self.folder}"
                 )
-            self._load_checkpoint(self.folder / f"step-{step}")
+            earlier = [s for s in steps if s < step]
+            hint = f"; to resume from an earlier one: --checkpoint.load_step {earlier[-1]}" if earlier else ""
+            self._load_checkpoint(self.folder / f"step-{step}", hint)
             return True
         if self.config.load_step not in (-1, 0) and self.config.enable:
             raise UserError(f"checkpoint.load_step {self.config.load_step}: no checkpoints in {self.folder}")
@@ -214,8 +246,9 @@ class Checkpointer:
             self._load_initial_weights(Path(self.config.initial_load_path))
         return False
 
-    def _load_checkpoint(self, path: Path) -> None:
+    def _load_checkpoint(self, path: Path, hint: str) -> None:
         parts = [p for p in PARTS if p not in self.config.exclude_from_loading]
+        self._verify(path, hint)
         saved = _read_metadata(path)
         self._check_compatible(path, saved, parts)
         state = self._state(parts)
@@ -226,16 +259,37 @@ class Checkpointer:
                 f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
             ) from None
         if "train" in parts:  # before anything is loaded into the model
-            self.train_state.check_model(state["train"]["model"], str(path))
+            self.train_state.check_model(state["train"]["model"], str(path), self.config.allow_model_change)
         if "model" in parts:
             load_model_state(self.model_parts, state["model"])
         if "optimizer" in parts:
             load_optimizer_state(self.model_parts, self.optimizers.parts, state["optimizer"])
         if "train" in parts:
-            self.train_state.load_dict(state["train"], str(path))
+            self.train_state.load_dict(state["train"])
         if "dataloader" in parts:
             self.dataloader.load_state_dict(state["dataloader"])
         logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")
+
+    def _verify(self, path: Path, hint: str = "") -> None:
+        """Refuse a checkpoint whose files changed after they were saved. The ranks share the reading
+        (each file once, in parallel) and agree, so that every rank stops or none does."""
+        start = time.perf_counter()
+        manifest = integrity.read_manifest(path)
+        if manifest is None:
+            if self.is_rank0:
+                logger.warning(
+                    f"{path} has no {integrity.MANIFEST} (saved by an older version): its files are not "
+                    "checked for damage"
+                )
+            return
+        mine = integrity.problems(path, manifest, integrity.share(manifest, self.rank, dist.get_world_size()))
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        found = [problem for part in everyone for problem in part]
+        if found:
+            more = f" (and {len(found) - 1} more files)" if len(found) > 1 else ""
+            raise UserError(f"checkpoint {path} is damaged: {found[0]}{more}; nothing was loaded{hint}")
+        logger.info(f"checked {path} against its checksums in {time.perf_counter() - start:.1f} s")
 
     def _check_compatible(self, path: Path, saved: dict, parts: list[str]) -> None:
         """Refuse a checkpoint of another model, or one lacking what is to be loaded."""
@@ -256,6 +310,7 @@ class Checkpointer:
         elif not (path / ".metadata").is_file():
             raise UserError(_neither_weights_message(path))
         else:
+            self._verify(path)
             saved = _read_metadata(path)
             state = {"model": model_state(self.model_parts)}
             _check_shapes(path, saved, {f"model.{n}": tuple(t.shape) for n, t in state["model"].items()})
@@ -267,6 +322,16 @@ class Checkpointer:
                 ) from None
             load_model_state(self.model_parts, state["model"])
         logger.info(f"initial weights from {path}")
+
+
+def _warn_about_unused_saving_keys(config: Checkpoint) -> None:
+    """Saving keys set with saving off: a recipe may keep them so (resuming keys set without enable
+    are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
+    defaults = Checkpoint()
+    keys = ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only", "export_dtype")
+    unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
+    if unused:
+        logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")
 
 
 def _neither_weights_message(path: Path) -> str:

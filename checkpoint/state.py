@@ -11,6 +11,7 @@ loads into any layout and any world size.
 """
 
 import json
+import logging
 import pickle
 from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from configs import UserError
 
+logger = logging.getLogger(__name__)
 # torch's state-dict helpers already name parameters as the plain model does (no wrapper
 # prefixes); a rank holding several parts (pipeline stages) merges them.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -55,9 +57,9 @@ class TrainState:
         self.rng = pickle.dumps(generators)
         return asdict(self)
 
-    def check_model(self, saved: str, where: str) -> None:
+    def check_model(self, saved: str, where: str, allow_change: bool = False) -> None:
         """Refuse a checkpoint whose model differs from this run's in any architecture argument
-        (tensor shapes alone miss e.g. n_heads or rope_theta)."""
+        (tensor shapes alone miss e.g. n_heads or rope_theta); allow_change: warn instead."""
         try:
             theirs, ours = json.loads(saved), json.loads(self.model)
         except json.JSONDecodeError:
@@ -67,14 +69,20 @@ class TrainState:
             for key in sorted(set(theirs) | set(ours))
             if key not in RESUMABLE_ARGS and theirs.get(key) != ours.get(key)
         ]
-        if differences:
+        if differences and allow_change:
+            logger.warning(
+                f"checkpoint {where} holds another model ({'; '.join(differences)}); loading it as "
+                "checkpoint.allow_model_change asks"
+            )
+        elif differences:
             raise UserError(
-                f"checkpoint {where} holds another model ({'; '.join(differences)}); to start from its "
-                "weights on purpose use checkpoint.initial_load_path"
+                f"checkpoint {where} holds another model ({'; '.join(differences)}); to load it into this "
+                "model on purpose set checkpoint.allow_model_change (shapes must match), or start from its "
+                "weights with checkpoint.initial_load_path"
             )
 
-    def load_dict(self, state: dict, where: str) -> None:
-        self.check_model(state.get("model", ""), where)
+    def load_dict(self, state: dict) -> None:
+        """Step, tokens seen and RNG; the model's identity stays this run's (check_model compared them)."""
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         generators = pickle.loads(state["rng"]) if state["rng"] else {}
         as_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8)

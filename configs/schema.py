@@ -365,6 +365,9 @@ class Validation(Section):
         ])  # fmt: skip
 
 
+RESUMING_ONLY = "has no effect unless checkpoint.enable = true (without it nothing is resumed)"
+
+
 @dataclass
 class Checkpoint(Section):
     enable: bool = False
@@ -399,6 +402,11 @@ class Checkpoint(Section):
     """Parts of a checkpoint not to load when resuming: any of "model", "optimizer", "train" (step,
     tokens seen, RNG), "dataloader" (the data cursor)."""
 
+    allow_model_change: bool = False
+    """Resume even though the checkpoint's model differs from this run's in architecture arguments
+    (e.g. rope_theta, norm_eps), for a deliberate change: the differences are logged as a warning
+    instead of stopping the run. Tensor shapes must still match."""
+
     initial_load_path: str = ""
     """Weights to start from when there is no checkpoint to resume: a checkpoint folder (step-N) or
     a Hugging Face folder of .safetensors files (converted through the model's adapter)."""
@@ -411,6 +419,12 @@ class Checkpoint(Section):
             ("exclude_from_loading",
              set(self.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
              "may only name model, optimizer, train, dataloader"),
+            # Resuming needs enable; these keys do nothing else, so one set without it is a mistake.
+            # Saving keys (interval, ...) only warn (checkpoint/manager.py): a recipe may keep them
+            # with saving off and a command line turn it on.
+            ("load_step", self.enable or self.load_step == -1, RESUMING_ONLY),
+            ("exclude_from_loading", self.enable or not self.exclude_from_loading, RESUMING_ONLY),
+            ("allow_model_change", self.enable or not self.allow_model_change, RESUMING_ONLY),
         ])  # fmt: skip
 
 

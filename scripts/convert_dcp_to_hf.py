@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint import hf
+from checkpoint import hf, integrity
 from configs import UserError
 from configs.errors import first_line
 from scripts.model_from_config import build_meta_model, load_run_config, one_process_dcp
@@ -32,6 +32,7 @@ def convert(args: argparse.Namespace) -> None:
         raise UserError(f"--output '{output}' already exists; choose a new folder")
     if not (checkpoint / ".metadata").is_file():
         raise UserError(f"'{checkpoint}' is not a complete checkpoint (no .metadata)")
+    integrity.verify(checkpoint)
     config = load_run_config(args.config, checkpoint)
     spec, model_args, model = build_meta_model(config)
     state = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in model.named_parameters()}

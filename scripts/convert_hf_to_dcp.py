@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from checkpoint import hf
+from checkpoint import hf, integrity
 from configs import UserError
 from scripts.model_from_config import build_meta_model, load_run_config, one_process_dcp
 
@@ -35,6 +35,7 @@ def convert(args: argparse.Namespace) -> None:
     state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype)
     with one_process_dcp():
         dcp.save({"model": state}, checkpoint_id=str(output))
+    integrity.record(output)
     print(f"wrote {output}")
 
 

@@ -7,10 +7,14 @@
 # torchrun's c10d rendezvous on MASTER_ADDR:MASTER_PORT (a port free on that node) assigns ranks,
 # so nodes may start in any order; every argument is passed to train.py. Set RDZV_ID to tell
 # concurrent jobs apart (default: the Slurm job id, else "recipe").
+#
+# To stop (preemption): SIGTERM or SIGUSR1 to this script's process (it becomes the launcher) or to
+# the workers; they finish the step, save a checkpoint, and the script exits 0. torchrun itself
+# would exit 1 after SIGTERM and die from SIGUSR1: scripts/torchrun_with_stop_signals.py says why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${NNODES:?set NNODES}" "${MASTER_ADDR:?set MASTER_ADDR}"
-exec torchrun \
+exec python scripts/torchrun_with_stop_signals.py \
     --nnodes "$NNODES" \
     --nproc-per-node "${NPROC_PER_NODE:-gpu}" \
     --rdzv-backend c10d \

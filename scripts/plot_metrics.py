@@ -4,7 +4,8 @@ throughput and memory against the step, one line per run.
     python scripts/plot_metrics.py outputs/bf16 outputs/float8 --output compare.png
     python scripts/plot_metrics.py outputs/run/metrics.jsonl --keys loss,tps
 
-A resumed run's repeated steps keep their last record. Needs matplotlib.
+metrics.jsonl holds one training record per step (a resumed run drops the records of the steps it
+redoes); in a file written before that was so, a repeated step keeps its last record. Needs matplotlib.
 """
 
 import argparse
@@ -21,7 +22,7 @@ def read(path: Path) -> dict[int, dict]:
     records = {}
     for line in file.read_text().splitlines():
         record = json.loads(line)
-        # A step's validation record joins its training record; later lines (after a resume) win.
+        # A step's validation record joins its training record; a later line of the same step wins.
         records.setdefault(record["step"], {}).update(record)
     return dict(sorted(records.items()))
 

@@ -65,6 +65,48 @@ def start_train(args: list[str], nproc: int | None = None, log: Path | None = No
     )
 
 
+def children() -> dict[int, list[int]]:
+    """Every live process's child processes, by parent."""
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it just ended
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]  # after the command name, which may hold spaces
+        if state != "Z":
+            found.setdefault(int(parent), []).append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process started under pid, nearest first. torchrun starts each worker in a session
+    of its own, so killing torchrun's process group leaves the workers running."""
+    tree, found, unvisited = children(), [], [pid]
+    while unvisited:
+        below = tree.get(unvisited.pop(0), [])
+        found += below
+        unvisited += below
+    return found
+
+
+def fake_slurm(tmp_path: Path) -> dict[str, str]:
+    """A PATH on which `scontrol` names this host and `srun` runs its command here: enough Slurm
+    for scripts/slurm.sbatch on one node."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    # srun: drop its own options, run the rest.
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node0",
+                SLURM_NNODES="1", SLURM_GPUS_ON_NODE="2", SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO),
+                MASTER_PORT="29518", OMP_NUM_THREADS="1")  # fmt: skip
+
+
 def read_metrics(dump_folder: Path) -> list[dict]:
     lines = (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

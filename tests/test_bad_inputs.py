@@ -94,10 +94,17 @@ def files(tmp_path_factory) -> dict[str, Path]:
     )
     (root / "finished").mkdir()
     shutil.copy(root / "run" / "metrics.jsonl", root / "finished" / "metrics.jsonl")
-    for name in ("corrupt", "foreign"):
+    for name in ("truncated", "flipped", "unverified", "bad_manifest", "foreign"):
         shutil.copytree(root / "run" / "checkpoint" / "step-2", root / name / "checkpoint" / "step-2")
-    data = next((root / "corrupt" / "checkpoint" / "step-2").glob("*.distcp"))
-    data.write_bytes(data.read_bytes()[:1000])
+    for name in ("truncated", "unverified"):
+        data = root / name / "checkpoint" / "step-2" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:1000])
+    data = root / "flipped" / "checkpoint" / "step-2" / "__0_0.distcp"
+    content = bytearray(data.read_bytes())  # 4 KiB flipped in place: the size stays
+    content[8192:12288] = bytes(byte ^ 0xFF for byte in content[8192:12288])
+    data.write_bytes(bytes(content))
+    (root / "unverified" / "checkpoint" / "step-2" / "checksums.json").unlink()  # as older code saved
+    (root / "bad_manifest" / "checkpoint" / "step-2" / "checksums.json").write_text('{"files": ')
     return {"root": root}
 
 
@@ -177,10 +184,25 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
          "validation.dataset_path is required"),
         ("initial weights", ["--checkpoint.initial_load_path", str(root / "missing_weights")], "does not exist"),
         ("load step", ["--checkpoint.enable", "--checkpoint.load_step", "7"], "no checkpoints in"),
-        ("truncated checkpoint", ["--checkpoint.enable", "--job.dump_folder", str(root / "corrupt")],
+        ("load step without enable", ["--checkpoint.load_step", "7"],
+         "checkpoint.load_step has no effect unless checkpoint.enable = true"),
+        ("exclude without enable", ["--checkpoint.exclude_from_loading", "optimizer"],
+         "checkpoint.exclude_from_loading has no effect unless checkpoint.enable = true"),
+        ("truncated checkpoint", ["--checkpoint.enable", "--job.dump_folder", str(root / "truncated")],
+         "checkpoint/step-2 is damaged: __0_0.distcp is 1000 bytes"),
+        ("flipped checkpoint bytes", ["--checkpoint.enable", "--job.dump_folder", str(root / "flipped")],
+         "checkpoint/step-2 is damaged: __0_0.distcp does not match its checksum: bytes 0-"),
+        ("truncated, no checksums", ["--checkpoint.enable", "--job.dump_folder", str(root / "unverified")],
          "could not be read"),
+        ("damaged checksums", ["--checkpoint.enable", "--job.dump_folder", str(root / "bad_manifest")],
+         "checkpoint/step-2 is damaged: its checksums.json cannot be read"),
         ("another model's checkpoint", ["--checkpoint.enable", "--model.flavor", "debugmodel",
                                         "--job.dump_folder", str(root / "foreign")], "holds a different model"),
+        ("another model's arguments", ["--checkpoint.enable", "--model.args", "rope_theta=10000", "--job.dump_folder",
+                                       str(root / "foreign")], "holds another model (rope_theta 500000.0 there, 10000.0 here)"),
+        ("model change allowed, shapes not", ["--checkpoint.enable", "--checkpoint.allow_model_change", "--model.flavor",
+                                              "debugmodel", "--job.dump_folder", str(root / "foreign")],
+         "holds a different model: tok_embeddings.weight is (320, 64) there, (320, 256) here"),
     ]  # fmt: skip
 
 

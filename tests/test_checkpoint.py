@@ -5,14 +5,19 @@ run of 10 steps that also saves at step 5.
 """
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import TINY, read_metrics, run_train, start_train
+import torch
+from conftest import REPO, TINY, children, descendants, fake_slurm, read_metrics, run_train, start_train
 
 STEPS = 10
 # Global batch 8, checkpoints every 5 steps, sample ids recorded.
@@ -99,30 +104,84 @@ def test_data_parallel_2_to_4_reads_the_same_samples(reference, sources, tmp_pat
     assert_continues(folder, reference, rel=1e-5)
 
 
-def test_kill_9_and_rerun_resumes_bitwise(tmp_path):
-    """kill -9 a 2-rank run somewhere after its first checkpoint; the same command finishes it."""
+def logged_steps(folder: Path) -> list[int]:
+    """Steps in metrics.jsonl so far (a run being written or killed may leave half a last line)."""
+    path = folder / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
+    """kill -9 a 2-rank run after it logged steps past its latest checkpoint; the same command
+    finishes it, and metrics.jsonl drops the steps it redoes."""
     steps = ["--training.steps", "60", "--checkpoint.interval", "10"]
     args = [*COMMON, *steps, "--training.local_batch_size", "4"]
     uninterrupted = tmp_path / "uninterrupted"
-    run_train([*args, "--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)], nproc=2)
+    off = ["--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)]
+    result = run_train([*args, *off], nproc=2)
+    assert "checkpoint.interval set, but checkpoint.enable is false: no checkpoint is saved" in result.stdout
     folder = tmp_path / "killed"
     process = start_train([*args, "--job.dump_folder", str(folder)], nproc=2, log=tmp_path / "killed.log")
     deadline = time.time() + 120
+    past_a_checkpoint = lambda steps: (folder / "checkpoint" / "step-10").exists() and steps[-1] % 10 != 0
     while (
-        not (folder / "checkpoint" / "step-10").exists() and process.poll() is None and time.time() < deadline
+        not past_a_checkpoint(logged_steps(folder) or [0])
+        and process.poll() is None
+        and time.time() < deadline
     ):
         time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)
+    for pid in [process.pid, *descendants(process.pid)]:  # torchrun and its workers at once
+        os.kill(pid, signal.SIGKILL)
     process.wait()
-    assert (folder / "checkpoint" / "step-10").exists()
-    killed_at = max(r["step"] for r in read_metrics(folder))
-    assert killed_at < 60, "the run finished before it could be killed"
+    killed_at = max(logged_steps(folder))
+    assert (folder / "checkpoint" / "step-10").exists() and killed_at < 60, "killed too late"
     result = run_train([*args, "--job.dump_folder", str(folder)], nproc=2)
-    assert "resumed from" in result.stdout
+    resumed = int(re.search(r"resumed from \S+step-(\d+) ", result.stdout).group(1))
+    assert resumed < killed_at  # steps resumed + 1 .. killed_at were logged twice
+    assert f"metrics.jsonl continues after step {resumed} (" in result.stdout
     want = by_step(read_metrics(uninterrupted))
-    got = by_step(read_metrics(folder))
-    assert sorted(got) == list(range(1, 61))
-    assert [got[s]["loss"] for s in range(1, 61)] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+    records = read_metrics(folder)
+    assert [r["step"] for r in records] == list(range(1, 61))  # one record per step, in order
+    assert [r["loss"] for r in records] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+
+
+def tensorboard_losses(folder: Path) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder / "tb"))
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars("loss")]
+
+
+def test_resume_drops_the_metrics_and_tensorboard_events_of_redone_steps(tmp_path):
+    """Steps 1-23 logged (validation at 10 and 20, half a line at the end), resumed from step 20:
+    21-23 are dropped from metrics.jsonl and hidden in TensorBoard; validation records stay."""
+    from training.metrics import MetricsLogger
+
+    def logger(resumed_step: int) -> MetricsLogger:
+        return MetricsLogger(str(tmp_path), torch.device("cpu"), 64, 1, 1.0, 30, None, 1, write=True,
+                             enable_tensorboard=True, resumed_step=resumed_step)  # fmt: skip
+
+    first = logger(0)
+    for step in range(1, 24):
+        first.log(step, float(step), 1.0, 1e-3)
+        if step % 10 == 0:
+            first.log_validation(step, {"val_loss": 0.5, "val_perplexity": 1.6})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 24, "lo')  # killed while writing
+    second = logger(20)
+    second.tensorboard.flush()
+    assert tensorboard_losses(tmp_path) == [(s, float(s)) for s in range(1, 21)]  # before any new log
+    for step in range(21, 26):
+        second.log(step, 100.0 + step, 1.0, 1e-3)
+    second.close()
+    records = read_metrics(tmp_path)
+    training = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    assert training == [(s, float(s)) for s in range(1, 21)] + [(s, 100.0 + s) for s in range(21, 26)]
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)  # each after its step's
+    assert tensorboard_losses(tmp_path) == training
 
 
 def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference, tmp_path):
@@ -134,14 +193,16 @@ def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference
     assert first["sample_ids"] == list(range(40, 56))
 
 
-def test_incomplete_save_is_ignored(reference, tmp_path):
+def test_incomplete_save_is_ignored_and_an_unverifiable_checkpoint_loads(reference, tmp_path):
     folder = resume_from(reference, tmp_path)
     partial = folder / "checkpoint" / "step-7.partial"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half a checkpoint")
+    (folder / "checkpoint" / "step-5" / "checksums.json").unlink()  # as code before checksums saved it
     result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)])
     assert "resumed from" in result.stdout and "step-5" in result.stdout
     assert "ignoring" in result.stdout and "step-7.partial" in result.stdout
+    assert "step-5 has no checksums.json (saved by an older version)" in result.stdout
     assert_continues(folder, reference, rel=0)  # same layout: bitwise
 
 
@@ -163,6 +224,12 @@ def test_async_save_writes_the_same_bytes_as_sync(mode, reference, tmp_path):
         # .metadata also records the path and a save id; what it says of the data must agree.
         index = [FileSystemReader(str(f)).read_metadata().state_dict_metadata for f in (sync, asynchronous)]
         assert index[0] == index[1]
+        # The checksums of the data files, taken in the background, are those of the blocking save.
+        recorded = [json.loads((f / "checksums.json").read_text())["files"] for f in (sync, asynchronous)]
+        assert {k: v for k, v in recorded[1].items() if k != ".metadata"} == {
+            k: v for k, v in recorded[0].items() if k != ".metadata"
+        }
+        assert set(recorded[1]) == {".metadata", *data}
 
 
 def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
@@ -206,15 +273,22 @@ def error_line(result) -> str:
     return lines[0]
 
 
-def test_corrupt_checkpoint_is_refused_and_kept(reference, tmp_path):
-    folder = resume_from(reference, tmp_path)
-    data = next((folder / "checkpoint" / "step-5").glob("*.distcp"))
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+def test_damaged_checkpoint_is_refused_by_every_rank_and_kept(sources, tmp_path):
+    """4 KiB flipped in rank 1's file (same size): rank 1 finds it, both ranks stop before loading."""
+    folder = resume_from(sources["fsdp2"], tmp_path)
+    data = folder / "checkpoint" / "step-5" / "__1_0.distcp"
+    content = bytearray(data.read_bytes())
+    content[4096:8192] = bytes(byte ^ 0xFF for byte in content[4096:8192])
+    data.write_bytes(bytes(content))
     before = checksums(folder / "checkpoint" / "step-5")
-    result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)], check=False)
-    assert "could not be read" in error_line(result) and "step-5" in error_line(result)
-    assert checksums(folder / "checkpoint" / "step-5") == before
-    assert not (folder / "metrics.jsonl").exists()
+    result = run_train([*COMMON, "--training.local_batch_size", "4", "--job.dump_folder", str(folder)],
+                       nproc=2, check=False)  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    damaged = folder / "checkpoint" / "step-5"
+    assert f"checkpoint {damaged} is damaged: __1_0.distcp does not match its checksum" in errors[0]
+    assert checksums(damaged) == before
+    assert not (folder / "metrics.jsonl").exists() and "resumed from" not in result.stdout
 
 
 def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
@@ -226,6 +300,16 @@ def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
         "holds a different model" in line
         and "tok_embeddings.weight is (320, 64) there, (320, 256) here" in line
     )
+
+
+def test_allow_model_change_resumes_another_models_checkpoint_with_a_warning(reference, tmp_path):
+    """Another rope_theta is refused (the catalog); allowed on purpose, it loads and lists what differs."""
+    folder = resume_from(reference, tmp_path)
+    changed = ["--model.args", "rope_theta=10000", "--checkpoint.allow_model_change"]
+    result = run_train([*COMMON, *SINGLE, *changed, "--job.dump_folder", str(folder)])
+    assert "holds another model (rope_theta 500000.0 there, 10000.0 here); loading it" in result.stdout
+    assert "resumed from" in result.stdout
+    assert sorted(by_step(read_metrics(folder))) == list(range(6, STEPS + 1))
 
 
 def test_unknown_load_step_is_refused(reference, tmp_path):
@@ -262,3 +346,62 @@ def test_qwen3_checkpoint_reshards(tmp_path):
     layout = [*SINGLE, "--parallelism.tensor_parallel_degree", "2"]
     run_train([*qwen3, *layout, "--job.dump_folder", str(folder)], nproc=2)
     assert_continues(folder, single, rel=1e-5)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_and_stop(command: list[str], env: dict, folder: Path, sig: signal.Signals, log: Path) -> int:
+    """Start a launcher script (2 ranks), send sig to the launcher process once training runs past
+    any checkpoint the run resumed from, and return its exit code once every process has ended."""
+    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)  # fmt: skip
+    saved = max((int(p.name[5:]) for p in (folder / "checkpoint").glob("step-*[0-9]")), default=0)
+    deadline = time.time() + 120
+    while max(logged_steps(folder), default=0) <= saved and process.poll() is None:
+        assert time.time() < deadline, log.read_text()[-2000:]
+        time.sleep(0.05)
+    started = descendants(process.pid)
+    # The launcher is the script's process (multinode.sh execs it) or, under Slurm, the job step's
+    # task: the script's child (the fake srun and the task's shell exec it).
+    launcher = process.pid if command[1].endswith("multinode.sh") else children()[process.pid][0]
+    os.kill(launcher, sig)
+    code = process.wait(timeout=120)
+    live = lambda: set(started) & {pid for pids in children().values() for pid in pids}
+    while live() and time.time() < deadline:  # a worker that outlived its launcher
+        time.sleep(0.05)
+    assert not live(), log.read_text()[-2000:]
+    return code
+
+
+def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
+    """SIGTERM to scripts/multinode.sh, then SIGUSR1 (Slurm's notice) to the task of
+    scripts/slurm.sbatch under a fake Slurm, 2 ranks each, the same train.py arguments: each time
+    the workers save and stop, every process ends, the exit code is 0; the second run resumes."""
+    folder = tmp_path / "run"
+    train_args = [*COMMON, "--training.steps", "100000", "--checkpoint.interval", "100000",
+                  "--training.local_batch_size", "4", "--job.dump_folder", str(folder)]  # fmt: skip
+    runs = [
+        (["bash", str(REPO / "scripts/multinode.sh"), *train_args], signal.SIGTERM,
+         dict(os.environ, NNODES="1", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")),
+        (["bash", str(REPO / "scripts/slurm.sbatch"), *train_args], signal.SIGUSR1, fake_slurm(tmp_path)),
+    ]  # fmt: skip
+    saved = []
+    for index, (command, sig, env) in enumerate(runs):
+        log = tmp_path / f"run{index}.log"
+        code = launch_and_stop(command, {**env, "MASTER_PORT": str(free_port())}, folder, sig, log)
+        output = log.read_text()
+        assert code == 0, output[-3000:]
+        stops = re.findall(rf"stopped by {sig.name} after step (\d+): saved (\S+)", output)
+        assert len(stops) == 1, output[-3000:]
+        step = int(stops[0][0])
+        assert stops[0][1] == str(folder / "checkpoint" / f"step-{step}")
+        assert (folder / "checkpoint" / f"step-{step}" / "checksums.json").exists()
+        if saved:
+            assert f"resumed from {folder / 'checkpoint' / f'step-{saved[-1]}'} " in output
+        saved.append(step)
+    assert saved[0] < saved[1]
+    assert [r["step"] for r in read_metrics(folder)] == list(range(1, saved[1] + 1))

@@ -89,6 +89,7 @@ def test_export_then_import_gives_back_the_same_weights(trained, tmp_path):
     )
     script("convert_hf_to_dcp.py", "--hf", str(hf_folder), "--config", str(trained / "config.toml"),
            "--output", str(tmp_path / "dcp"))  # fmt: skip
+    assert (tmp_path / "dcp" / "checksums.json").is_file()  # loads verified, like a training save
     original = read_model(trained / "checkpoint/step-5", tiny_state())
     round_trip = read_model(tmp_path / "dcp", tiny_state())
     for name in original:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, read_metrics, run_train
+from conftest import REPO, TINY, fake_slurm, read_metrics, run_train
 
 from training.nonfinite import NonFiniteError, NonFiniteGuard
 
@@ -112,21 +112,6 @@ def test_multinode_launcher_runs_one_node(tmp_path):
                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert len(read_metrics(tmp_path)) == 6
-
-
-def fake_slurm(tmp_path) -> dict[str, str]:
-    """A PATH on which `scontrol` names this host and `srun` runs its command here: enough Slurm
-    for scripts/slurm.sbatch on one node."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    # srun: drop its own options, run the rest.
-    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
-    for tool in ("scontrol", "srun"):
-        (bin_dir / tool).chmod(0o755)
-    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node0", SLURM_NNODES="1",
-                SLURM_GPUS_ON_NODE="2", SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT="29518",
-                OMP_NUM_THREADS="1")  # fmt: skip
 
 
 def test_slurm_script_trains_with_its_arguments(tmp_path):

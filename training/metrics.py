@@ -1,5 +1,9 @@
 """Progress line, metrics.jsonl and TensorBoard: throughput, MFU, memory and ETA per logged step.
 
+metrics.jsonl holds one training record per logged step, in step order, and after it that step's
+validation record if any: a resumed run first drops the records of the steps it redoes (logged
+after its checkpoint, before the run stopped), and TensorBoard drops their events (purge_step).
+
 tps is tokens per second per device (global tokens / time / world size), as torchtitan reports it.
 TFLOP/s per device = tps x flops_per_token, where flops_per_token is the model's own count
 (6 x matmul parameters + causal attention, see the model's flops_per_token). MFU divides that by
@@ -9,6 +13,7 @@ the device's peak dense bf16 rate.
 import contextlib
 import json
 import logging
+import os
 import resource
 import time
 from pathlib import Path
@@ -93,7 +98,10 @@ class MetricsLogger:
         log_freq: int,
         write: bool,
         enable_tensorboard: bool,
+        resumed_step: int = 0,
     ):
+        """resumed_step: the step of the checkpoint this run resumed from (0 for a new run); the
+        records of later steps, logged by an earlier run in this folder, are dropped."""
         self.device = device
         self.tokens_per_step = tokens_per_step
         self.world_size = world_size
@@ -103,14 +111,44 @@ class MetricsLogger:
         self.log_freq = log_freq
         self.write = write  # only one rank writes files
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
+        if write:
+            self._drop_records_after(resumed_step)
         self.tensorboard = None
         if write and enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"))
+            # TensorBoard hides the events of steps >= purge_step written before this point.
+            self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"), purge_step=resumed_step + 1)
         self.last_time = time.perf_counter()
         self.last_step = 0
         self.paused_seconds = 0.0  # in the current window, not training (validation, saves)
+
+    def _drop_records_after(self, resumed_step: int) -> None:
+        """Keep the records up to resumed_step, the file replaced in one rename (a kill leaves the old
+        or the new one, never half of it). Also repairs files written before this existed: a training
+        record replaces whatever an earlier run logged at its step or later."""
+        if not self.jsonl.is_file():
+            return
+        lines = self.jsonl.read_text().splitlines()
+        records: list[tuple[int, str]] = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # the last line of a run killed while writing it
+            while "loss" in record and records and records[-1][0] >= step:
+                records.pop()
+            records.append((step, line))
+        kept = [line for step, line in records if step <= resumed_step]
+        dropped = len(lines) - len(kept)
+        if dropped:
+            temporary = self.jsonl.with_name(self.jsonl.name + ".tmp")
+            temporary.write_text("".join(line + "\n" for line in kept))
+            os.replace(temporary, self.jsonl)
+        if resumed_step or dropped:
+            note = f" ({dropped} records of later or redone steps dropped)" if dropped else ""
+            logger.info(f"metrics.jsonl continues after step {resumed_step}{note}")
 
     def start(self, step: int) -> None:
         """Start the clock: training runs from here, after set-up, from step + 1."""

@@ -1,0 +1,118 @@
+"""Checksums of a checkpoint's files: recorded when it is saved, verified before it is loaded.
+
+A file damaged after it was written (a bad sector, a broken copy, a flipped page) would otherwise
+load without a complaint: DCP reads whatever bytes sit at the offsets that .metadata names.
+checksums.json in each step-N folder holds, per file, its size and the CRC32 of each 64 MiB piece:
+pieces, so that a rank's threads share one large file and an error can say where the damage is.
+
+Saving (checkpoint/manager.py): each rank checksums the files it wrote right after writing them,
+while they are still in the page cache; rank 0 gathers the results, adds .metadata and writes
+checksums.json before the checkpoint is committed. Loading: the files are shared out over the ranks
+(a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
+reads from it) and any problem stops every rank before DCP reads anything. A checkpoint without
+checksums.json (written before it existed) is loaded unverified.
+"""
+
+import json
+import re
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from configs import UserError
+from configs.errors import first_line
+
+MANIFEST = "checksums.json"
+PIECE_BYTES = 64 * 2**20
+READ_BYTES = 8 * 2**20
+# Per rank: eight ranks of a GPU node then use 32 cores, leaving the rest to training (an async
+# save checksums while training goes on). zlib releases the GIL, so threads run in parallel.
+THREADS = 4
+WRITER = re.compile(r"^__(\d+)_")  # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp
+
+
+def own_files(folder: Path, rank: int) -> list[Path]:
+    """The data files that this rank wrote in a DCP save."""
+    return sorted(folder.glob(f"__{rank}_*.distcp"))
+
+
+def checksum(paths: list[Path], piece_bytes: int = PIECE_BYTES) -> dict[str, dict]:
+    """{file name: {"size": bytes, "crc32": [one hex CRC32 per piece]}}."""
+    sizes = {path: path.stat().st_size for path in paths}
+    pieces = [(path, start) for path in paths for start in range(0, sizes[path] or 1, piece_bytes)]
+    with ThreadPoolExecutor(THREADS) as pool:
+        crcs = dict(zip(pieces, pool.map(lambda piece: _piece_crc32(*piece, piece_bytes), pieces)))
+    return {
+        path.name: {"size": size, "crc32": [crcs[path, start] for start in range(0, size or 1, piece_bytes)]}
+        for path, size in sizes.items()
+    }
+
+
+def _piece_crc32(path: Path, start: int, length: int) -> str:
+    crc, left = 0, length
+    with path.open("rb") as f:
+        f.seek(start)
+        while left > 0 and (block := f.read(min(READ_BYTES, left))):
+            crc, left = zlib.crc32(block, crc), left - len(block)
+    return f"{crc:08x}"
+
+
+def write_manifest(folder: Path, files: dict[str, dict]) -> None:
+    manifest = {"piece_bytes": PIECE_BYTES, "files": dict(sorted(files.items()))}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def record(folder: Path) -> None:
+    """Checksum every file of a checkpoint written by one process (the conversion scripts)."""
+    write_manifest(folder, checksum(sorted(folder.glob("*.distcp")) + [folder / ".metadata"]))
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The recorded checksums; None for a checkpoint saved before they were recorded."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("piece_bytes"), int):
+            raise ValueError("no 'files' or 'piece_bytes'")
+        return manifest
+    except (ValueError, OSError, AttributeError) as e:
+        raise UserError(
+            f"checkpoint {folder} is damaged: its {MANIFEST} cannot be read ({first_line(e)})"
+        ) from None
+
+
+def share(manifest: dict, rank: int, world_size: int) -> list[str]:
+    """The files that this rank verifies: those its writer's rank maps to (.metadata: rank 0)."""
+    writer = lambda name: int(match.group(1)) if (match := WRITER.match(name)) else 0
+    return [name for name in manifest["files"] if writer(name) % world_size == rank]
+
+
+def problems(folder: Path, manifest: dict, names: list[str]) -> list[str]:
+    """What differs from the recorded checksums among the named files, one phrase per file."""
+    found, intact = [], []
+    for name in names:
+        path, recorded = folder / name, manifest["files"][name]
+        if not path.is_file():
+            found.append(f"{name} is missing")
+        elif path.stat().st_size != recorded["size"]:
+            found.append(f"{name} is {path.stat().st_size} bytes, {recorded['size']} when it was saved")
+        else:
+            intact.append(path)
+    piece_bytes = manifest["piece_bytes"]
+    for name, now in checksum(intact, piece_bytes).items():
+        recorded = manifest["files"][name]["crc32"]
+        damaged = [i for i, (a, b) in enumerate(zip(now["crc32"], recorded)) if a != b]
+        if damaged or len(now["crc32"]) != len(recorded):
+            start = damaged[0] * piece_bytes if damaged else 0
+            end = min(start + piece_bytes, now["size"])
+            found.append(f"{name} does not match its checksum: bytes {start}-{end} changed after saving")
+    return found
+
+
+def verify(folder: Path) -> None:
+    """Check every file in one process (the conversion scripts); an unverifiable checkpoint passes."""
+    manifest = read_manifest(folder)
+    if manifest is not None and (found := problems(folder, manifest, list(manifest["files"]))):
+        raise UserError(f"checkpoint {folder} is damaged: {found[0]}; nothing was loaded")
