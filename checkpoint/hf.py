@@ -3,7 +3,9 @@
 Reading maps names first, from the files' headers alone; then each rank reads only what it holds:
 nothing of the tensors of other pipeline stages, and of a sharded (DTensor) parameter only the box
 of rows and columns its shard covers. Where the adapter converts rows in blocks (Llama's q/k heads)
-the box grows to whole blocks, is converted, then cut. Memory and reads per rank are its shard's.
+the box grows to whole blocks, is converted, then cut. A stacked expert tensor (experts, in, out) is
+read from its per-expert Hugging Face tensors, only those of the experts in the rank's box (FSDP or
+expert parallelism shard dim 0). Memory and reads per rank are its shard's.
 """
 
 import contextlib
@@ -48,38 +50,44 @@ def _open(file: Path) -> Iterator:
 
 @dataclass(frozen=True)
 class Location:
-    """Where one of our tensors lies in a Hugging Face folder."""
+    """Where one of our tensors, or one expert of a stacked one, lies in a Hugging Face folder."""
 
     file: Path
     hf_name: str
     shape: tuple[int, ...]
+    expert: int | None = None
+    """The index in dim 0 of our stacked tensor that this Hugging Face tensor fills; None: all of it."""
 
 
 def locate(
     folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]]
-) -> dict[str, Location]:
-    """Where each tensor of `shapes` (our names -> expected shapes) lies, read from the headers only.
+) -> dict[str, list[Location]]:
+    """Where each tensor of `shapes` (our names -> expected shapes) lies, read from the headers only:
+    one location, or one per expert for a stacked expert tensor.
 
     Tensors not in `shapes` (another pipeline stage's) are skipped; unknown names, other shapes and
     missing tensors are the user's mistake (a checkpoint of another model or flavor).
     """
-    found = {}
+    found = defaultdict(list)
     for file in sorted(folder.glob("*.safetensors")):
         with _open(file) as tensors:
             for hf_name in tensors.keys():
                 try:
-                    name = adapter.from_hf_name(hf_name)
+                    name, expert = adapter.from_hf_name(hf_name), adapter.expert_index(hf_name)
                 except KeyError as e:
                     raise UserError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
                 if name not in shapes:
                     continue
                 shape = tuple(tensors.get_slice(hf_name).get_shape())
-                if shape != tuple(shapes[name]):
-                    raise UserError(
-                        f"{file}: {hf_name} is {shape}, but the model's {name} is {tuple(shapes[name])}"
-                    )
-                found[name] = Location(file, hf_name, shape)
-    missing = sorted(set(shapes) - set(found))
+                ours = tuple(shapes[name])
+                # An expert's tensor is an nn.Linear weight (out, in) of our (experts, in, out).
+                expected = ours if expert is None else (ours[2], ours[1])
+                if shape != expected or (expert is not None and expert >= ours[0]):
+                    what = "" if expert is None else f" (expert {expert}: {expected} each)"
+                    raise UserError(f"{file}: {hf_name} is {shape}, but the model's {name} is {ours}{what}")
+                found[name].append(Location(file, hf_name, shape, expert))
+    pieces = lambda name: shapes[name][0] if adapter.is_stacked(name) else 1
+    missing = sorted(name for name in shapes if len({loc.expert for loc in found[name]}) < pieces(name))
     if missing:
         count = f"{len(missing)} tensor{'s' * (len(missing) != 1)}"
         raise UserError(f"Hugging Face checkpoint {folder} lacks {count}, e.g. {missing[0]}")
@@ -97,6 +105,12 @@ def _read_box(
     return adapter.block_from_hf(name, read)[rows.start - first : rows.stop - first]
 
 
+def _read_expert(tensors, location: Location, box: tuple[slice, slice]) -> torch.Tensor:
+    """The (in, out) box of one expert of our stacked tensor, from its Linear weight (out, in)."""
+    inputs, outputs = box
+    return tensors.get_slice(location.hf_name)[(outputs, inputs)].T
+
+
 def _local_box(param: torch.Tensor) -> tuple[slice, ...]:
     """The rows and columns of the full tensor that this rank's shard of param holds."""
     if not isinstance(param, DTensor):
@@ -109,10 +123,11 @@ def _local_box(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _by_file(locations: dict[str, Location]) -> dict[Path, list[tuple[str, Location]]]:
+def _by_file(locations: dict[str, list[Location]]) -> dict[Path, list[tuple[str, Location]]]:
     grouped = defaultdict(list)
-    for name, location in locations.items():
-        grouped[location.file].append((name, location))
+    for name, pieces in locations.items():
+        for location in pieces:
+            grouped[location.file].append((name, location))
     return grouped
 
 
@@ -126,8 +141,13 @@ def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: P
             for name, location in entries:
                 param = params[name]
                 local = param.to_local() if isinstance(param, DTensor) else param
-                if local.numel():  # an uneven split may leave a rank nothing
-                    local.copy_(_read_box(tensors, location, name, adapter, _local_box(param)))
+                if not local.numel():  # an uneven split may leave a rank nothing
+                    continue
+                box = _local_box(param)
+                if location.expert is None:
+                    local.copy_(_read_box(tensors, location, name, adapter, box))
+                elif box[0].start <= location.expert < box[0].stop:  # an expert this rank holds
+                    local[location.expert - box[0].start].copy_(_read_expert(tensors, location, box[1:]))
 
 
 def read_full(
@@ -138,8 +158,15 @@ def read_full(
     for file, entries in _by_file(locate(folder, adapter, shapes)).items():
         with _open(file) as tensors:
             for name, location in entries:
-                full = _read_box(tensors, location, name, adapter, tuple(slice(0, n) for n in location.shape))
-                state[name] = full if dtype is None else full.to(dtype)
+                whole = tuple(slice(0, n) for n in shapes[name])
+                if location.expert is None:
+                    full = _read_box(tensors, location, name, adapter, whole)
+                    state[name] = full if dtype is None else full.to(dtype)
+                    continue
+                expert = _read_expert(tensors, location, whole[1:])
+                if name not in state:
+                    state[name] = torch.empty(shapes[name], dtype=dtype or expert.dtype)
+                state[name][location.expert] = expert
     return state
 
 
@@ -153,15 +180,17 @@ def save(
     """Write full tensors (our names) as a folder that transformers loads and generates from:
     safetensors shards + index, config.json and generation_config.json with the token ids of the
     tokenizer the run trained with (hf_assets_path, or the byte tokenizer), and its files."""
-    tokenizer = build_tokenizer(hf_assets_path)  # before writing: a missing tokenizer stops it first
+    # Before writing: a missing tokenizer or a model that Hugging Face cannot express stops it first.
+    tokenizer = build_tokenizer(hf_assets_path)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    config = {**adapter.hf_config(str(dtype).removeprefix("torch.")), **ids}
     hf_state = {name: t.to(dtype).contiguous() for name, t in adapter.to_hf(state_dict).items()}
     folder.mkdir(parents=True, exist_ok=False)
     weight_map = _write_shards(hf_state, folder)
     total = sum(t.numel() * t.element_size() for t in hf_state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     _write_json(folder / "model.safetensors.index.json", index)
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    _write_json(folder / "config.json", {**adapter.hf_config(str(dtype).removeprefix("torch.")), **ids})
+    _write_json(folder / "config.json", config)
     _write_json(folder / "generation_config.json", generation_config(tokenizer))
     for name in TOKENIZER_FILES if hf_assets_path else ():
         if (Path(hf_assets_path) / name).is_file():

@@ -12,6 +12,7 @@ from models.spec import ModelSpec
 MODEL_PACKAGES = {
     "llama3": "models.llama3",
     "qwen3": "models.qwen3",
+    "qwen3_moe": "models.qwen3_moe",
 }
 
 

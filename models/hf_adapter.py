@@ -10,7 +10,13 @@ rows and columns of each tensor, so the adapter converts per tensor and per bloc
 A family whose layout equals Hugging Face's only sets `names` and `hf_config`; one that differs
 overrides the three block methods. to_hf/from_hf apply the same methods to whole state dicts, so
 full and sliced reads share one conversion path.
+
+Mixture-of-Experts weights are one tensor here and many there: our stacked (experts, in, out)
+tensor holds one Hugging Face nn.Linear weight (out, in) per expert, transposed. `expert_names`
+maps them (the HF name holds the expert index too); a rank reads only the experts of its shard.
 """
+
+from collections import defaultdict
 
 import torch
 
@@ -20,6 +26,9 @@ from models.hf_names import NameMap
 class StateDictAdapter:
     names: NameMap
     """Our names <-> Hugging Face names (set by the subclass)."""
+    expert_names: NameMap | None = None
+    """Our stacked expert tensors <-> their per-expert Hugging Face tensors, whose names hold one
+    "{}" more: the expert (models with experts only)."""
 
     def __init__(self, args):
         self.args = args
@@ -32,13 +41,30 @@ class StateDictAdapter:
         # Hugging Face stores tied weights once, as the embedding.
         return name == "output.weight" and self.args.tie_embeddings
 
+    def is_stacked(self, name: str) -> bool:
+        """Whether our tensor `name` stacks per-expert Hugging Face tensors along dim 0."""
+        return self.expert_names is not None and self.expert_names.knows(name)
+
+    def expert_index(self, hf_name: str) -> int | None:
+        """The expert (index in dim 0 of our stacked tensor) a Hugging Face tensor holds; None for
+        a tensor that is one of ours whole."""
+        if self.expert_names is not None and self.expert_names.knows_hf(hf_name):
+            return self.expert_names.hf_extra_index(hf_name)
+        return None
+
     def from_hf_name(self, hf_name: str) -> str | None:
-        """Our name for a Hugging Face tensor; None for one we do not keep. KeyError if unknown."""
+        """Our name for a Hugging Face tensor (an expert's: our stacked tensor's); None for one we
+        do not keep. KeyError if unknown."""
+        if self.expert_index(hf_name) is not None:
+            return self.expert_names.from_hf(hf_name)
         name = self.names.from_hf(hf_name)
         return None if self._omitted_by_hf(name) else name
 
-    def to_hf_name(self, name: str) -> str | None:
-        """The Hugging Face name of our tensor; None for one the export omits."""
+    def to_hf_name(self, name: str, expert: int | None = None) -> str | None:
+        """The Hugging Face name of our tensor (of one expert of a stacked tensor); None for one the
+        export omits."""
+        if self.is_stacked(name):
+            return self.expert_names.to_hf(name, expert)
         return None if self._omitted_by_hf(name) else self.names.to_hf(name)
 
     def rows_per_block(self, name: str) -> int:
@@ -57,6 +83,9 @@ class StateDictAdapter:
         """A whole state dict (full tensors, our names) in Hugging Face names and layout."""
         hf = {}
         for name, tensor in state_dict.items():
+            if self.is_stacked(name):
+                hf.update({self.to_hf_name(name, expert): weight.T for expert, weight in enumerate(tensor)})
+                continue
             hf_name = self.to_hf_name(name)
             if hf_name is not None:
                 hf[hf_name] = self.block_to_hf(name, tensor)
@@ -64,11 +93,16 @@ class StateDictAdapter:
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A whole Hugging Face state dict (full tensors) in our names and layout."""
-        ours = {}
+        ours, experts = {}, defaultdict(dict)
         for hf_name, tensor in hf_state_dict.items():
             name = self.from_hf_name(hf_name)
-            if name is not None:
+            expert = self.expert_index(hf_name)
+            if expert is not None:
+                experts[name][expert] = tensor.T
+            elif name is not None:
                 ours[name] = self.block_from_hf(name, tensor)
+        for name, weights in experts.items():
+            ours[name] = torch.stack([weights[expert] for expert in range(len(weights))])
         return ours
 
 

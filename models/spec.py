@@ -3,7 +3,9 @@
 A family is a folder under models/ whose __init__.py defines `spec = ModelSpec(...)`, registered by
 one line in models/__init__.py. parallelisms/, training/ and checkpoint/ rely on what this file
 writes down and on nothing else of a model: the model class (`TrainableModel`), the names of the
-modules around its blocks (`head`, `tail`), its tensor-parallel plan and its Hugging Face adapter.
+modules around its blocks (`head`, `tail`), its tensor-parallel plan, its Hugging Face adapter, and
+its Mixture-of-Experts layers, which are `models.moe.MoE` modules wherever they sit (found with
+`models.moe.moe_layers(model)`; their buffers and load balancing are described there).
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from configs import UserError
 from configs.loader import parse_scalar
+from models.moe import MOE_OPTIONS
 
 
 class TrainableModel(Protocol):
@@ -111,6 +114,11 @@ def _with_changes(args: Any, changes: list[str]) -> Any:
     for change in changes:
         name, has_value, raw = change.partition("=")
         name = name.strip()
+        if has_value and name in MOE_OPTIONS and name not in hints:
+            raise UserError(
+                f"model.args: '{name}' is a Mixture-of-Experts option and {type(args).__name__} has no "
+                "experts (choose a model.name with experts, e.g. qwen3_moe)"
+            )
         if not has_value or name not in hints:
             match = difflib.get_close_matches(name, list(hints), n=1)
             hint = f" (did you mean '{match[0]}'?)" if match else ""
