@@ -30,6 +30,7 @@ from checkpoint.state import TrainState, load_model_state, load_optimizer_state,
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
+from training.weight_init import original_name
 
 logger = logging.getLogger(__name__)
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
@@ -312,7 +313,11 @@ class Checkpointer:
         else:
             self._verify(path)
             saved = _read_metadata(path)
-            state = {"model": model_state(self.model_parts)}
+            # Starting weights are the parameters; a buffer the folder lacks (e.g. an MoE layer's
+            # expert bias, which Hugging Face conversions do not carry) keeps its initial value.
+            buffers = {original_name(n) for part in self.model_parts for n, _ in part.named_buffers()}
+            state = {"model": {name: tensor for name, tensor in model_state(self.model_parts).items()
+                               if name not in buffers or f"model.{name}" in saved}}  # fmt: skip
             _check_shapes(path, saved, {f"model.{n}": tuple(t.shape) for n, t in state["model"].items()})
             try:
                 dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
@@ -320,7 +325,7 @@ class Checkpointer:
                 raise UserError(
                     f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}"
                 ) from None
-            load_model_state(self.model_parts, state["model"])
+            load_model_state(self.model_parts, state["model"], strict=False)
         logger.info(f"initial weights from {path}")
 
 

@@ -97,10 +97,13 @@ def model_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {name: tensor for part in model_parts for name, tensor in get_model_state_dict(part).items()}
 
 
-def load_model_state(model_parts: list[nn.Module], state: dict[str, torch.Tensor]) -> None:
+def load_model_state(
+    model_parts: list[nn.Module], state: dict[str, torch.Tensor], strict: bool = True
+) -> None:
+    """strict=False: load what state holds of each part (initial weights without some buffers)."""
     for part in model_parts:
-        own = {name: state[name] for name in get_model_state_dict(part)}
-        set_model_state_dict(part, own, options=StateDictOptions(strict=True))
+        own = {name: state[name] for name in get_model_state_dict(part) if strict or name in state}
+        set_model_state_dict(part, own, options=StateDictOptions(strict=strict))
 
 
 def optimizer_state(model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:

@@ -331,6 +331,18 @@ def test_debug_flavor_trains(tmp_path):
 
     saved = FileSystemReader(str(tmp_path / "checkpoint/step-8")).read_metadata().state_dict_metadata
     assert "model.layers.3.moe.expert_bias" in saved and "model.layers.3.moe.experts.w2" in saved
+    # Through Hugging Face files and back to a DCP folder (parameters only: no expert bias there),
+    # which then starts another run.
+    from test_hf import script
+
+    hf_folder, dcp_folder = tmp_path / "hf", tmp_path / "from_hf"
+    step8 = str(tmp_path / "checkpoint/step-8")
+    script("convert_dcp_to_hf.py", "--checkpoint", step8, "--output", str(hf_folder), "--dtype", "float32")
+    script("convert_hf_to_dcp.py", "--hf", str(hf_folder), "--config", str(tmp_path / "config.toml"),
+           "--output", str(dcp_folder))  # fmt: skip
+    start = ["--checkpoint.initial_load_path", str(dcp_folder), "--training.steps", "1"]
+    run_train([*TINY, *run[:4], *start, "--job.dump_folder", str(tmp_path / "restart")])
+    assert read_metrics(tmp_path / "restart")[0]["loss"] < losses[0] - 1.5  # it started from the weights
 
 
 # ---- Hugging Face conversion ----
