@@ -68,6 +68,7 @@ from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
 from training import distributed, profiling
 from training.dry_run import dry_run
+from training.expert_balance import ExpertBalance
 from training.grad_clip import clip_grad_norm_
 from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
 from training.model_setup import build_model
@@ -150,6 +151,7 @@ def train(config: JobConfig) -> int:
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
     )
     stop_signals = StopSignals(config.job.signal_check_interval)
+    expert_balance = ExpertBalance(model.parts, mesh["dp_cp"].get_group())
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
 
@@ -161,6 +163,7 @@ def train(config: JobConfig) -> int:
         grad_norm = clip_grad_norm_(parameters, config.training.max_norm, pp_group)
         optimizers.step(skip=nonfinite_guard.skip_update(grad_norm, step))  # decided on the device
         optimizers.zero_grad()
+        expert_balance.after_step()  # MoE: expert bias update from the step's token counts
         precompute_float8_scales(model.parts, config.float8)
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
         profiler.step_ends(step)
@@ -169,7 +172,7 @@ def train(config: JobConfig) -> int:
             metrics.first_step_done(step, START_TIME)
         if metrics.due(step):  # the only step-end reads of the device: every log_freq steps
             nonfinite_guard.check()
-            extra = {}
+            extra = expert_balance.statistics()
             if config.metrics.log_sample_ids:
                 extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
             metrics.log(step, step_runner.global_loss(step_loss), grad_norm.item(), lr, extra)

@@ -190,10 +190,11 @@ class MetricsLogger:
         }
         eta = _duration(step_time * (self.total_steps - step))
         mfu = f"{record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        experts = f" | moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else ""
         logger.info(
             f"step {step:>{len(str(self.total_steps))}} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | "
             f"lr {lr:.2e} | tok/s {tps:,.0f} | tflops {tflops:.1f} | mfu {mfu} | "
-            f"mem {record['memory_gib']:.2f} GiB | eta {eta}"
+            f"mem {record['memory_gib']:.2f} GiB | eta {eta}{experts}"
         )
         self._write(record)
         self.start(step)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from configs.schema import JobConfig
+from models.moe import set_sequences_per_step
 from parallelisms import ParallelDims
 from parallelisms.compile import RecompileWatch
 from parallelisms.context_parallel import local_positions, shard_sequences
@@ -62,6 +63,8 @@ class StepRunner:
         if dims.pp_enabled:
             self.loss_groups.append(mesh["pp"].get_group())
         self.recompiles = RecompileWatch(config.compile.enable)
+        for part in self.parts:  # MoE balance losses: the mean over the step's sequences, any layout
+            set_sequences_per_step(part, global_batch * dims.cp)
 
     def forward_backward(self, micro_batches: list[dict]) -> torch.Tensor:
         """Forward and backward of this rank's micro-batches of one step; returns this rank's share

@@ -1,0 +1,52 @@
+"""Mixture-of-Experts bookkeeping after each optimizer step: the layers' token counts summed over
+the ranks that hold different tokens, the expert-bias update (DeepSeek-V3's balancing without an
+auxiliary loss), and the load statistics the progress line and metrics.jsonl show.
+
+The counts stay on the device: one all-reduce of all layers' counts stacked, no host read, except
+at logged steps (statistics()). A model without MoE layers costs nothing.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.moe import load_statistics, moe_layers, update_expert_bias
+from training import distributed
+from training.weight_init import original_name
+
+
+class ExpertBalance:
+    def __init__(self, model_parts: list[nn.Module], tokens_group: dist.ProcessGroup):
+        """tokens_group: the ranks holding different tokens (data parallel x context parallel);
+        tensor-parallel ranks route the same tokens and are not summed."""
+        self.layers = {
+            original_name(name): moe for part in model_parts for name, moe in moe_layers(part).items()
+        }
+        self.tokens_group = tokens_group
+        self.counts: torch.Tensor | None = None  # the last step's, summed: (layers, experts)
+
+    def after_step(self) -> None:
+        """Sum the step's counts over the ranks, move the biases, start counting afresh."""
+        if not self.layers:
+            return
+        layers = list(self.layers.values())
+        counts = torch.stack([moe.tokens_per_expert for moe in layers]).float()
+        self.counts = distributed.all_reduce_sum(counts, self.tokens_group)
+        for moe, layer_counts in zip(layers, self.counts):
+            if moe.args.bias_update_rate > 0:
+                update_expert_bias(moe, layer_counts, moe.args.bias_update_rate)
+            moe.tokens_per_expert.zero_()
+
+    def statistics(self) -> dict[str, float]:
+        """For the log (reads the device): the most loaded expert over the mean in the worst layer,
+        idle experts over all layers, the mean balance loss, and each layer's max load."""
+        if self.counts is None:
+            return {}
+        per_layer = {name: load_statistics(counts) for name, counts in zip(self.layers, self.counts)}
+        aux = torch.stack([moe.aux_loss for moe in self.layers.values()]).mean().item()
+        return {
+            "moe_max_load": max(stats["max_load"] for stats in per_layer.values()),
+            "moe_idle_experts": sum(stats["idle_experts"] for stats in per_layer.values()),
+            "moe_aux_loss": aux,
+            **{f"moe_max_load/{name}": stats["max_load"] for name, stats in per_layer.items()},
+        }
