@@ -151,7 +151,7 @@ def train(config: JobConfig) -> int:
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
     )
     stop_signals = StopSignals(config.job.signal_check_interval)
-    expert_balance = ExpertBalance(model.parts, mesh["dp_cp"].get_group())
+    expert_balance = ExpertBalance(model.parts, mesh["dp_cp"].get_group(), pp_group)
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
 

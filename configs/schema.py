@@ -230,6 +230,12 @@ class Parallelism(Section):
     """Context parallelism: every sequence is split over this many ranks (load-balanced chunks for
     causal attention; K/V all-gathered). training.seq_len must divide by 2 x this degree."""
 
+    expert_parallel_degree: int = 1
+    """Expert parallelism for Mixture-of-Experts layers: each expert's weights live on one of this
+    many ranks, and tokens travel to their experts' ranks by all-to-all and back. Drawn from the
+    data-parallel x context ranks (it must divide data_parallel_shard_degree x context_parallel_degree
+    and the number of experts); FSDP shards the experts over the ranks it leaves."""
+
     pipeline_parallel_degree: int = 1
     """Pipeline parallelism: the model's layers are split into stages over this many ranks."""
 
@@ -261,6 +267,7 @@ class Parallelism(Section):
             ("tensor_parallel_degree", self.tensor_parallel_degree >= 1, "must be >= 1"),
             ("pipeline_parallel_degree", self.pipeline_parallel_degree >= 1, "must be >= 1"),
             ("context_parallel_degree", self.context_parallel_degree >= 1, "must be >= 1"),
+            ("expert_parallel_degree", self.expert_parallel_degree >= 1, "must be >= 1"),
             ("pipeline_parallel_microbatch_size", self.pipeline_parallel_microbatch_size >= 1,
              "must be >= 1"),
             ("pipeline_parallel_layers_per_stage",

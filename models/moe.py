@@ -204,7 +204,8 @@ class MoE(nn.Module):
 
     Buffers: `expert_bias` (n_experts,) float32, saved in checkpoints; `tokens_per_expert`
     (n_experts,) int64, the routed copies of training forwards since the loop last reset it (not
-    saved); `aux_loss`, the last training forward's balance loss (mean over its sequences).
+    saved); `aux_loss`, the balance losses of the sequences of those forwards, summed (the loop
+    divides by the step's sequences).
     """
 
     def __init__(self, dim: int, args: MoEArgs, out_init_std: float = 0.02):
@@ -268,10 +269,10 @@ class MoE(nn.Module):
         self, out: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor, record: bool
     ) -> torch.Tensor:
         """out, whose backward adds aux_loss_coeff x this micro-batch's share of the step's mean
-        per-sequence balance loss to the objective; records the loss's value in `aux_loss`."""
+        per-sequence balance loss to the objective; adds the sequences' losses to `aux_loss`."""
         per_sequence = sequence_balance_loss(scores, experts, self.args.score_func)
         if record:
-            self.aux_loss.copy_(per_sequence.detach().mean())
+            self.aux_loss.add_(per_sequence.detach().sum())
         sequences = self.sequences_per_step or out.shape[0]
         return AddAuxiliaryLoss.apply(out, per_sequence.sum() * (self.args.aux_loss_coeff / sequences))
 

@@ -5,6 +5,7 @@ pipeline.py          splitting into stages and running a schedule (train.py call
 float8.py            torchao float8 Linear layers
 tensor_parallel.py   applying a model's TP plan, loss parallelism
 context_parallel.py  load-balanced sequence split, all-gather-KV attention
+expert_parallel.py   MoE experts over ranks, tokens by all-to-all
 activation_checkpoint.py  recompute activations in backward (full, every N blocks, by op)
 compile.py           torch.compile per block
 fsdp.py              FSDP2 / HSDP
@@ -20,6 +21,7 @@ from models.spec import ModelSpec
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from parallelisms.compile import apply_compile, check_compile
 from parallelisms.context_parallel import apply_context_parallel
+from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims
@@ -42,11 +44,13 @@ def parallelize(
     1. float8: Linear layers become torchao Float8Linear (before any sharding sees them)
     2. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
        the loss is computed on vocabulary shards when loss parallelism is on
-    3. context parallel: causal attention kernels become all-gather-KV ones over "cp"
-    4. activation checkpointing: blocks are wrapped to recompute activations in backward
-    5. torch.compile per block: it sees the sharded, wrapped block it will run
-    6. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
-       context-parallel) ranks, 2-D DTensors when tensor parallel came first
+    3. expert parallel: MoE layers' experts are sharded over "ep", their tokens sent by all-to-all
+    4. context parallel: causal attention kernels become all-gather-KV ones over "cp"
+    5. activation checkpointing: blocks are wrapped to recompute activations in backward
+    6. torch.compile per block: it sees the sharded, wrapped block it will run
+    7. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
+       context-parallel) ranks, 2-D DTensors when tensor parallel came first; experts apart, over
+       the ranks expert parallelism leaves
     """
     check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     check_compile(config, dims.tp_enabled)
@@ -55,12 +59,15 @@ def parallelize(
     if dims.tp_enabled:
         plan = spec.tensor_parallel_plan(args, config.parallelism.enable_loss_parallel)
         apply_tensor_parallel(model, plan, spec.head, mesh["tp"])
+    if dims.ep_enabled:
+        apply_expert_parallel(model, mesh["expert_tp"], mesh["ep"])
     if dims.cp_enabled:
         apply_context_parallel(model, mesh["cp"])
     apply_activation_checkpointing(model, config.activation_checkpoint)
     if config.compile.enable:
-        # The context-parallel attention's collectives break the graph; elsewhere one graph per block.
-        apply_compile(model, fullgraph=not dims.cp_enabled)
+        # Context-parallel attention's collectives and expert parallelism's split sizes (read on the
+        # host) break the graph; elsewhere one graph per block.
+        apply_compile(model, fullgraph=not (dims.cp_enabled or dims.ep_enabled))
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
@@ -68,6 +75,7 @@ def parallelize(
             param_dtype=param_dtype,
             reduce_dtype=getattr(torch, config.training.mixed_precision_reduce),
             reshard_after_forward=config.parallelism.fsdp_reshard_after_forward,
+            expert_mesh=mesh["expert_fsdp"] if dims.ep_enabled else None,
         )
 
 

@@ -5,6 +5,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from models.moe import moe_layers
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -12,13 +14,21 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """Shard every block of model.layers, then the root (embedding, final norm, output) together."""
+    """Shard every block of model.layers, then the root (embedding, final norm, output) together.
+
+    expert_mesh: under expert parallelism, the routed experts of MoE layers are sharded apart, over
+    the ranks expert parallelism leaves (their weights already live on other meshes than the block's).
+    """
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = list(model.layers.values())
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them by default.
         reshard = {"always": True, "never": False, "default": index < len(blocks) - 1}[reshard_after_forward]
+        if expert_mesh is not None:
+            for moe in moe_layers(block).values():
+                fully_shard(moe.experts, mesh=expert_mesh, mp_policy=policy, reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always")
     # The loss is already normalized by the global token count: gradients are summed, not averaged

@@ -6,6 +6,12 @@ Mesh dimensions, outermost first: pp (pipeline stages), dp_replicate (HSDP repli
   dp_cp  dp_replicate x dp_shard x cp: every rank holding different tokens (loss, counts)
   fsdp   what FSDP shards over: dp_shard x cp (cp ranks hold the same weights, other tokens);
          for HSDP the 2-D (dp_replicate, dp_shard_cp)
+
+With expert parallelism a second root mesh lays out the same ranks for the experts of MoE layers:
+(pp, dp_replicate, efsdp, ep, tp), where efsdp x ep = dp_shard x cp (ep the inner ranks). Groups:
+  ep            the ranks that share their tokens' experts (an expert's weights live on one of them)
+  expert_tp     ep x tp: the experts' DTensor mesh (tp ranks hold the same experts, as under TP alone)
+  expert_fsdp   what FSDP shards the experts over: efsdp, or (dp_replicate, efsdp) for HSDP
 """
 
 from dataclasses import dataclass
@@ -43,6 +49,7 @@ class ParallelDims:
     tp: int
     world_size: int
     fsdp_single_device: bool = False
+    ep: int = 1
 
     @classmethod
     def from_config(cls, config: Parallelism, world_size: int) -> "ParallelDims":
@@ -67,7 +74,13 @@ class ParallelDims:
                 f"{pp * replicate * shard * cp * tp} (pipeline x replicate x shard x context x tensor) "
                 f"but the world size is {world_size}"
             )
-        return cls(pp, replicate, shard, cp, tp, world_size, config.fsdp_single_device)
+        ep = config.expert_parallel_degree
+        if (shard * cp) % ep:
+            raise UserError(
+                f"expert_parallel_degree {ep} must divide data_parallel_shard_degree x "
+                f"context_parallel_degree = {shard} x {cp} (expert parallelism is drawn from those ranks)"
+            )
+        return cls(pp, replicate, shard, cp, tp, world_size, config.fsdp_single_device, ep)
 
     @property
     def dp(self) -> int:
@@ -82,6 +95,10 @@ class ParallelDims:
     @property
     def cp_enabled(self) -> bool:
         return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -101,7 +118,21 @@ class ParallelDims:
             sizes = (self.dp_replicate, self.dp_shard * self.cp)
             fsdp = dp_cp._unflatten(0, sizes, ("hsdp_replicate", "hsdp_shard"))
         dp = layout["dp_replicate", "dp_shard"]._flatten("dp")
-        return Meshes(layout, {"dp": dp, "dp_cp": dp_cp, "fsdp": fsdp})
+        groups = {"dp": dp, "dp_cp": dp_cp, "fsdp": fsdp}
+        if self.ep_enabled:
+            groups |= self._expert_meshes(device_type)
+        return Meshes(layout, groups)
+
+    def _expert_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
+        """The experts' own layout of the same ranks (rank numbering as in the main mesh, with
+        dp_shard x cp read as efsdp x ep)."""
+        efsdp = self.dp_shard * self.cp // self.ep
+        names = ("pp", "dp_replicate", "efsdp", "ep", "tp")
+        experts = init_device_mesh(device_type, (self.pp, self.dp_replicate, efsdp, self.ep, self.tp),
+                                   mesh_dim_names=names)  # fmt: skip
+        fsdp = experts["dp_replicate", "efsdp"] if self.dp_replicate > 1 else experts["efsdp"]
+        expert_tp = experts["ep", "tp"] if self.tp_enabled else experts["ep"]
+        return {"ep": experts["ep"], "expert_tp": expert_tp, "expert_fsdp": fsdp}
 
     def check_sequence_split(self, seq_len: int) -> None:
         if self.cp_enabled and seq_len % (2 * self.cp):
@@ -123,7 +154,8 @@ class ParallelDims:
                 raise UserError(f"tensor_parallel_degree {self.tp} does not divide {name} ({size})")
 
     def describe(self) -> str:
+        experts = f" (experts: ep {self.ep} of dp_shard x cp)" if self.ep_enabled else ""
         return (
             f"world {self.world_size} = pp {self.pp} x dp_replicate {self.dp_replicate} x dp_shard "
-            f"{self.dp_shard} x cp {self.cp} x tp {self.tp}"
+            f"{self.dp_shard} x cp {self.cp} x tp {self.tp}{experts}"
         )

@@ -25,6 +25,7 @@ from torch.distributed.pipelining.schedules import (
 
 from configs import UserError
 from configs.schema import Parallelism
+from models.moe import moe_layers
 from parallelisms.tied_weights import tied_parameter_names
 
 SCHEDULES = {
@@ -174,6 +175,38 @@ def _check_tied_weights_within_stages(model: nn.Module, groups: list[list[str]])
             )
 
 
+class ShapeInferenceCounts:
+    """Mixture-of-Experts token counts must cover the step's micro-batches only, but on the first
+    step torch.distributed.pipelining runs each stage once more, first, to infer the shapes it sends
+    (torch 2.13: a forward of the first micro-batch or of empty tensors). Here each MoE layer's
+    counts are watched through that first step; if a stage ran one forward more than it has
+    micro-batches, that first forward's counts are taken back. Torch versions that infer shapes
+    without running the stage leave nothing to take back."""
+
+    def __init__(self, parts: list[nn.Module]):
+        self.snapshots: dict[nn.Module, list[torch.Tensor]] = {}
+        self.hooks = []
+        for part in parts:
+            for moe in moe_layers(part).values():
+                self.snapshots[moe] = []
+                self.hooks.append(moe.register_forward_hook(self._snapshot))
+
+    def _snapshot(self, moe: nn.Module, inputs, output) -> None:
+        history = self.snapshots[moe]
+        # Forwards that counted (not evaluation, not activation checkpointing's recomputation).
+        if not history or not torch.equal(history[-1], moe.tokens_per_expert):
+            history.append(moe.tokens_per_expert.clone())
+
+    def take_back(self, n_microbatches: int) -> None:
+        """After the first training step (later calls do nothing)."""
+        for moe, history in self.snapshots.items():
+            if len(history) == n_microbatches + 1:
+                moe.tokens_per_expert.sub_(history[0])  # counts were zero before the step
+        for hook in self.hooks:
+            hook.remove()
+        self.snapshots, self.hooks = {}, []
+
+
 class Pipeline:
     """Runs one optimizer step's micro-batches through this rank's stages."""
 
@@ -208,6 +241,8 @@ class Pipeline:
         self.has_first = 0 in indices
         self.has_last = num_stages - 1 in indices
         self.device = device
+        self.n_microbatches = n_microbatches
+        self.shape_inference = ShapeInferenceCounts(parts)
         # Newer torch can skip gathering the last stage's outputs (full logits) after the step.
         self.step_options = (
             {"return_outputs": False}
@@ -228,6 +263,8 @@ class Pipeline:
             run(inputs, **target, **options)
         else:
             run(**target, **options)
+        if train:
+            self.shape_inference.take_back(self.n_microbatches)
         if self.has_last:
             return torch.stack([loss.detach() for loss in losses]).sum()
         return torch.zeros((), device=self.device)

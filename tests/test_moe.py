@@ -233,8 +233,8 @@ def test_aux_loss_gradient_equals_autograd_of_the_explicit_objective():
         torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got[0], _router_and_input_grads(without, x, upstream)[0])  # the aux counts
     scores, experts, _ = with_aux.route(x.reshape(-1, 16))
-    expected_value = sequence_balance_loss(scores.view(3, 12, 8), experts.view(3, 12, 2), "sigmoid").mean()
-    assert with_aux.aux_loss.item() == pytest.approx(expected_value.item())
+    expected_value = sequence_balance_loss(scores.view(3, 12, 8), experts.view(3, 12, 2), "sigmoid").sum()
+    assert with_aux.aux_loss.item() == pytest.approx(expected_value.item())  # summed over the sequences
 
 
 def test_aux_loss_is_the_mean_over_the_steps_sequences_however_they_are_split():

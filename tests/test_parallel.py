@@ -84,7 +84,26 @@ QWEN3_LAYOUTS = [
     "pp2_ZBVZeroBubble",
     "cp2",
 ]
-CASES = [("llama3", layout) for layout in LAYOUTS] + [("qwen3", layout) for layout in QWEN3_LAYOUTS]
+# Mixture of Experts (qwen3_moe tiny) with DeepSeek-V3-style routing (sigmoid scores, expert groups,
+# a shared expert, bias balancing, a balance loss): expert parallelism alone and with each other
+# parallelism. Under CP without the balance loss: it is computed per sequence, and a CP rank's
+# chunks stand for the sequence (docs/moe.md).
+ROUTING = "score_func=sigmoid,n_expert_groups=4,topk_groups=2,shared_hidden_dim=32,bias_update_rate=0.01"
+EP = "--parallelism.expert_parallel_degree"
+MOE_LAYOUTS = {
+    "ep2": (2, f"{EP} 2 --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "ep4": (4, f"{EP} 4 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "ep2_fsdp2": (4, f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "ep2_tp2": (4, f"{EP} 2 {TP2} --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "pp2_ep2": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "cp2_ep2": (2, f"{CP} 2 {EP} 2 --training.local_batch_size 8 --model.args {ROUTING}"),
+}
+LAYOUTS |= MOE_LAYOUTS
+CASES = (
+    [("llama3", layout) for layout in LAYOUTS if layout not in MOE_LAYOUTS]
+    + [("qwen3", layout) for layout in QWEN3_LAYOUTS]
+    + [("qwen3_moe", layout) for layout in MOE_LAYOUTS]
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +131,8 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
     for got, want in zip(records, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"step {got['step']}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), f"step {got['step']}"
+        if "moe_max_load" in want:  # the same routing: counts summed over the right ranks
+            assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-6), f"step {got['step']}"
 
 
 @pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])

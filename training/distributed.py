@@ -25,6 +25,11 @@ def world_size() -> int:
 
 def setup_logging() -> None:
     """Rank 0 logs at INFO; other ranks only warnings and errors (prefixed with their rank)."""
+    # DTensor warns once per process when a norm over expert parallelism's 2-D mesh takes two
+    # scalar all-reduces instead of one: nothing to act on at that size.
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
+        lambda record: "sequential all_reduce" not in record.getMessage()
+    )
     prefix = f"[rank{rank()}] " if world_size() > 1 and rank() != 0 else ""
     logging.basicConfig(
         level=logging.INFO if rank() == 0 else logging.WARNING,

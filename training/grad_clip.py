@@ -5,6 +5,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def group_by_mesh(tensors: list[torch.Tensor]) -> dict:
+    """Tensors by the device mesh of their DTensor (None for plain tensors), in first-seen order."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return groups or {None: []}
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
@@ -15,9 +23,14 @@ def clip_grad_norm_(
     pp_group: with pipeline parallelism each stage holds some parameters; their norms are combined.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()  # sharded gradients give partial norms: reduce to the global one
+    # Gradients on different meshes (expert parallelism's experts and the rest) cannot share one
+    # foreach call: one norm per mesh, then their combination.
+    norms = []
+    for same_mesh in group_by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(same_mesh, norm_type=2.0, foreach=True)
+        # Sharded gradients give partial norms: reduce to the global one.
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if pp_group is not None:
         squared = total**2
         dist.all_reduce(squared, group=pp_group)

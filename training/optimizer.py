@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from configs.schema import LRScheduler, Optimizer
+from training.grad_clip import group_by_mesh
 
 
 def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
@@ -32,11 +33,15 @@ def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
 
 def _adamw(part: nn.Module, config: Optimizer, device: torch.device) -> torch.optim.Optimizer:
     params = [p for p in part.parameters() if p.requires_grad]
-    # Weight decay on matrices only; norm weights (1-D) are left alone.
+    # Weight decay on matrices only; norm weights (1-D) are left alone. One group per device mesh:
+    # the foreach and fused kernels take tensors of one mesh (expert parallelism adds a second).
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+        {"params": same_mesh, "weight_decay": decay}
+        for decay, selected in ((config.weight_decay, [p for p in params if p.ndim >= 2]),
+                                (0.0, [p for p in params if p.ndim < 2]))
+        for same_mesh in group_by_mesh(selected).values()
+        if same_mesh
+    ]  # fmt: skip
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type == "cuda" else "foreach"
