@@ -317,9 +317,10 @@ class Float8(Section):
     """tensorwise + FSDP float8 all-gather: compute all weight scales in one pass after each
     optimizer step instead of one small reduction per layer."""
 
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose name contains any of these stay in bf16 (the output projection by
-    default: its accuracy matters most and the vocabulary dimension is large)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output", "router"])
+    """Linear layers whose name contains any of these stay in bf16: by default the output projection
+    (its accuracy matters most and the vocabulary dimension is large) and MoE routers (their scores
+    decide the experts, in fp32)."""
 
 
 @dataclass
