@@ -405,3 +405,22 @@ def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
         saved.append(step)
     assert saved[0] < saved[1]
     assert [r["step"] for r in read_metrics(folder)] == list(range(1, saved[1] + 1))
+
+
+def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
+    """Saved at EP 4, resumed at EP 2 and in one process: the uninterrupted run's losses (the
+    stacked experts and their biases reshard like any parameter)."""
+    moe = ["--model.name", "qwen3_moe", "--model.args", "score_func=sigmoid,bias_update_rate=0.01"]
+    single, ep4 = tmp_path / "single", tmp_path / "ep4"
+    run_train([*COMMON, *moe, *SINGLE, "--job.dump_folder", str(single)])
+    ep = "--parallelism.expert_parallel_degree"
+    run_train(
+        [*COMMON, *moe, "--training.local_batch_size", "2", ep, "4", "--job.dump_folder", str(ep4)], nproc=4
+    )
+    for name, nproc, overrides in (
+        ("ep2", 2, ["--training.local_batch_size", "4", ep, "2"]),
+        ("one", None, SINGLE),
+    ):
+        folder = resume_from(ep4, tmp_path / name)
+        run_train([*COMMON, *moe, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
+        assert_continues(folder, single, rel=1e-5)
