@@ -92,6 +92,7 @@ def test_resume_on_another_layout(source, nproc, overrides, reference, sources, 
     folder = resume_from(reference if source == "single" else sources[source], tmp_path)
     result = run_train([*COMMON, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
     assert "resumed from" in result.stdout
+    assert f"training steps 6 to {STEPS}" in result.stdout and "step 6 done" in result.stdout
     assert_continues(folder, reference, rel=1e-5)
 
 

@@ -75,7 +75,10 @@ VALIDATE = [*TINY, "--training.steps", "4", "--training.global_batch_size", "8",
 )  # fmt: skip
 def test_validation_loss_is_the_same_on_every_layout(nproc, overrides, tmp_path):
     single, other = tmp_path / "single", tmp_path / "other"
-    run_train([*VALIDATE, "--training.local_batch_size", "8", "--job.dump_folder", str(single)])
+    console = run_train(
+        [*VALIDATE, "--training.local_batch_size", "8", "--job.dump_folder", str(single)]
+    ).stdout
+    assert "step 2 | validation loss" in console and "step 4 | validation loss" in console
     run_train([*VALIDATE, *overrides, "--job.dump_folder", str(other)], nproc=nproc)
     want = {r["step"]: r for r in read_metrics(single) if "val_loss" in r}
     got = {r["step"]: r for r in read_metrics(other) if "val_loss" in r}
@@ -139,6 +142,12 @@ def test_dry_run_prints_the_layout_without_training(tmp_path):
     assert "world 16 = pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2" in out
     assert "parameters on rank 0:" in out and "estimated memory per rank" in out
     assert not (tmp_path / "metrics.jsonl").exists()
+    # Qwen3-MoE 235B-A22B at world 64 with expert parallelism 8, in this one process.
+    moe = run_train([*TINY, "--model.name", "qwen3_moe", "--model.flavor", "235B-A22B", "--training.seq_len", "4096",
+                     "--training.local_batch_size", "1", "--job.dry_run", "--job.dry_run_world_size", "64",
+                     "--parallelism.expert_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "4",
+                     "--job.dump_folder", str(tmp_path)]).stdout  # fmt: skip
+    assert "(experts: ep 8 of dp_shard x cp)" in moe and "235,093,634,560 parameters" in moe
 
 
 def test_estimate_memory_counts_each_ranks_shards():
