@@ -71,7 +71,9 @@ def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
     assert sorted(got) == list(range(6, STEPS + 1))  # it started after the checkpoint
     for step, record in got.items():
         assert record["loss"] == pytest.approx(want[step]["loss"], rel=rel, abs=0), step
-        assert record["sample_ids"] == want[step]["sample_ids"], step
+        # The global order continues on any number of data-parallel ranks: step s reads samples
+        # [(s - 1) x 8, s x 8) wherever they are.
+        assert record["sample_ids"] == want[step]["sample_ids"] == list(range((step - 1) * 8, step * 8)), step
 
 
 @pytest.mark.parametrize(
@@ -93,15 +95,6 @@ def test_resume_on_another_layout(source, nproc, overrides, reference, sources, 
     result = run_train([*COMMON, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
     assert "resumed from" in result.stdout
     assert f"training steps 6 to {STEPS}" in result.stdout and "step 6 done" in result.stdout
-    assert_continues(folder, reference, rel=1e-5)
-
-
-def test_data_parallel_2_to_4_reads_the_same_samples(reference, sources, tmp_path):
-    folder = resume_from(sources["fsdp2"], tmp_path)
-    run_train([*COMMON, "--training.local_batch_size", "2", "--job.dump_folder", str(folder)], nproc=4)
-    resumed = by_step(read_metrics(folder))
-    for step in range(6, STEPS + 1):
-        assert resumed[step]["sample_ids"] == list(range((step - 1) * 8, step * 8))
     assert_continues(folder, reference, rel=1e-5)
 
 
