@@ -18,7 +18,7 @@ from torch import nn
 
 from configs.schema import JobConfig
 from models.spec import ModelSpec
-from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
 from parallelisms.compile import apply_compile, check_compile
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.expert_parallel import apply_expert_parallel
@@ -54,6 +54,7 @@ def parallelize(
     """
     check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     check_compile(config, dims.tp_enabled)
+    check_activation_checkpointing(config.activation_checkpoint, dims.cp_enabled, dims.ep_enabled)
     if config.float8.enable:
         apply_float8(model, config.float8, device)
     if dims.tp_enabled:

@@ -5,6 +5,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from configs import UserError
 from configs.schema import ActivationCheckpoint
 
 # Kept in "op" mode: the outputs of the expensive ops. Everything else (norms, RoPE, SiLU,
@@ -23,6 +24,20 @@ def _op_policy():
         return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def check_activation_checkpointing(config: ActivationCheckpoint, cp_enabled: bool, ep_enabled: bool) -> None:
+    """Checkpointing by op replays a block's ops by count in backward; the collectives inside a block
+    under context parallelism (the K/V all-gather and its causal mask) or expert parallelism (the
+    all-to-all hooks and their host reads) break that replay in torch 2.13 ("Creating a new Tensor
+    subclass CausalBias ...", "invocation ... not found in storage"). Full checkpointing and every
+    N-th block work with both."""
+    if config.mode == "selective" and config.selective_ac_option == "op" and (cp_enabled or ep_enabled):
+        what = "context" if cp_enabled else "expert"
+        raise UserError(
+            f"{what} parallelism with activation_checkpoint selective_ac_option = 'op' fails in torch's "
+            "selective checkpointing; use mode = 'full' or selective_ac_option = N (every N-th block)"
+        )
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ActivationCheckpoint) -> None:

@@ -331,17 +331,6 @@ def test_model_only_last_save_starts_a_new_run_but_cannot_continue_one(tmp_path)
     )  # trained weights
 
 
-def test_qwen3_checkpoint_reshards(tmp_path):
-    """A second model family saves on one process and resumes on TP 2."""
-    qwen3 = [*COMMON, "--model.name", "qwen3"]
-    single = tmp_path / "single"
-    run_train([*qwen3, *SINGLE, "--job.dump_folder", str(single)])
-    folder = resume_from(single, tmp_path)
-    layout = [*SINGLE, "--parallelism.tensor_parallel_degree", "2"]
-    run_train([*qwen3, *layout, "--job.dump_folder", str(folder)], nproc=2)
-    assert_continues(folder, single, rel=1e-5)
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

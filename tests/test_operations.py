@@ -1,5 +1,6 @@
 """Running real jobs: the non-finite guard, validation, profiling, launchers, plots, dry runs."""
 
+import json
 import math
 import os
 import subprocess
@@ -98,9 +99,15 @@ def test_profiler_traces_chosen_steps(tmp_path):
 
 
 def test_plot_metrics_draws_runs(tmp_path):
-    pytest.importorskip("matplotlib")
-    for name in ("a", "b"):
-        run_train([*TINY, "--job.dump_folder", str(tmp_path / name)])
+    """Two runs' records as train.py writes them (training records, validation records of the same
+    step, a step redone after a resume): one PNG."""
+    for name, scale in (("a", 1.0), ("b", 1.1)):
+        records = [{"step": s, "loss": scale * (5 - s / 3), "grad_norm": 1.0, "lr": 1e-3, "tps": 100.0,
+                    "memory_gib": 0.3} for s in range(1, 7)]  # fmt: skip
+        records.insert(3, {"step": 3, "val_loss": scale * 4.2, "val_perplexity": 66.7})
+        records.append({**records[-1], "loss": 2.0})  # step 6 again, after a resume
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     output = tmp_path / "curves.png"
     subprocess.run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(tmp_path / "a/metrics.jsonl"),
                     str(tmp_path / "b"), "--output", str(output)], check=True)  # fmt: skip

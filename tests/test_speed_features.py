@@ -64,20 +64,14 @@ PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context
         (2, [*SINGLE, *TP2]),  # with loss parallel
         # CP blocks break the graph at the all-gather
         (4, [*SINGLE, *PP2_CP2, "--activation_checkpoint.mode", "full"]),
+        # one process: checkpointing by op (not with CP or EP: parallelisms/activation_checkpoint.py)
+        (None, [*SINGLE, "--activation_checkpoint.mode", "selective"]),  # selective_ac_option "op"
     ],
-    ids=["tp2", "pp2-cp2-ac"],
+    ids=["tp2", "pp2-cp2-ac", "op-ac"],
 )  # fmt: skip
 def test_compile_matches_eager_without_recompiles(nproc, overrides, eager, tmp_path):
     result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
     assert_same_losses(read_metrics(tmp_path), eager, rel=1e-5)
-    assert "torch.compile: 0 frames compiled after step 2" in result.stdout
-
-
-def test_qwen3_compiled_with_selective_checkpointing(eager_runs, tmp_path):
-    op_ac = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]
-    qwen3 = ["--model.name", "qwen3", *SINGLE, *COMPILE, *op_ac]
-    result = run_train([*COMMON, *qwen3, "--job.dump_folder", str(tmp_path)])
-    assert_same_losses(read_metrics(tmp_path), eager_runs("qwen3"), rel=1e-5)
     assert "torch.compile: 0 frames compiled after step 2" in result.stdout
 
 
