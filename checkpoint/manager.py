@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf, integrity
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
+from checkpoint.writing import Stager, describe, writer_thread_errors
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
@@ -71,7 +72,9 @@ class Checkpointer:
         self.total_steps = total_steps
         self.rank = dist.get_rank()
         self.is_rank0 = self.rank == 0
-        self.pending = None  # (future of this rank's checksums, partial path, final path) of an async save
+        self.pending: concurrent.futures.Future | None = None  # the async save in flight
+        self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.stager: Stager | None = None  # host copies of the state, reused by every async save
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
@@ -104,15 +107,21 @@ class Checkpointer:
         return self.folder / f"step-{step}"
 
     def save(self, step: int, blocking: bool = False) -> Path:
-        """Write checkpoint step-<step>; returns its final path (complete once committed)."""
+        """Write checkpoint step-<step>; returns its final path (complete once committed). A save that
+        fails (disk full, folder gone, any write error) stops the run with a UserError on every rank:
+        its partial folder is removed and the previous complete checkpoint is untouched."""
         self.wait()  # one save in flight at a time
         final = self.path(step)
         partial = self.folder / f"step-{step}.partial"
+        error = None
         if self.is_rank0:
-            if partial.exists():
-                shutil.rmtree(partial)  # left by a save of this step that was killed
-            partial.mkdir(parents=True)
-        dist.barrier()
+            try:
+                if partial.exists():
+                    shutil.rmtree(partial)  # left by a save of this step that was killed
+                partial.mkdir(parents=True)
+            except OSError as e:
+                error = describe(e)
+        self._agree(partial, final, error)
         model_only = self.config.last_save_model_only and step == self.total_steps
         state = self._state(("model",) if model_only else PARTS)
         if model_only:
@@ -120,86 +129,102 @@ class Checkpointer:
             state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
         start = time.perf_counter()
         if self.config.async_mode == "disabled" or blocking or model_only:
-            dcp.save(state, checkpoint_id=str(partial))
-            self._write_checksums(partial, integrity.checksum(integrity.own_files(partial, self.rank)))
-            self._commit(partial, final)
-            logger.info(f"saved checkpoint {final} in {time.perf_counter() - start:.1f} s")
-        else:
-            self.pending = (self._checksummed(self._async_save(state, partial), partial), partial, final)
+            own = self._write(lambda: dcp.save(state, storage_writer=self._writer(partial)), partial)
+            written = time.perf_counter()
+            self._finish(own, partial, final)
+            end = time.perf_counter()
+            size = sum(f.stat().st_size for f in final.iterdir()) / 1e9 if self.is_rank0 else 0
             logger.info(
-                f"saving checkpoint {final} in the background (staged in {time.perf_counter() - start:.1f} s)"
+                f"saved checkpoint {final} in {end - start:.1f} s ({size:.1f} GB written in "
+                f"{written - start:.1f} s, checksums {end - written:.1f} s)"
+            )
+        else:
+            if self.stager is None:
+                self.stager = Stager(self.config.async_mode == "async_with_pinned_mem", self.optimizers.parts)
+            staged = self.stager.stage(state)
+            # Written, checksummed and committed in the background, as soon as the write ends.
+            self.pending = self.background.submit(self._save_in_background, staged, partial, final, start)
+            logger.info(
+                f"saving checkpoint {final} in the background (training blocked "
+                f"{time.perf_counter() - start:.1f} s)"
             )
         return final
 
-    def _async_save(self, state: dict, partial: Path):
-        if self.config.async_mode == "async_with_pinned_mem":
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def _writer(self, partial: Path) -> FileSystemWriter:
+        return FileSystemWriter(str(partial), thread_count=self.config.writer_threads)
 
-            # Copy to pinned host memory before returning (the next optimizer step may then
-            # change the weights); the writing happens in the background.
-            options = StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
-            stager = DefaultStager(options)
-            response = dcp.async_save(
-                state, checkpoint_id=str(partial), process_group=self.group, async_stager=stager
-            )
-            # A Future, or (torch versions that stage asynchronously) a response holding one.
-            return getattr(response, "upload_completion", response)
-        return dcp.async_save(state, checkpoint_id=str(partial), process_group=self.group)
+    def _write(self, write, partial: Path) -> dict | str:
+        """Run a DCP write, then checksum this rank's files: their checksums, or what went wrong."""
+        try:
+            with writer_thread_errors() as errors:
+                write()
+            if errors:
+                return describe(errors[0])
+            return integrity.checksum(integrity.own_files(partial, self.rank))
+        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+            return describe(e)
 
-    def _checksummed(self, written: concurrent.futures.Future, partial: Path) -> concurrent.futures.Future:
-        """This rank's checksums, taken in the background thread once its files are written."""
-        checksums = concurrent.futures.Future()
+    def _save_in_background(self, staged, partial: Path, final: Path, start: float) -> None:
+        def write() -> None:
+            state = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
+            dcp.save(state, storage_writer=self._writer(partial), process_group=self.group)
 
-        def checksum(_) -> None:
-            try:
-                written.result()
-                checksums.set_result(integrity.checksum(integrity.own_files(partial, self.rank)))
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                checksums.set_exception(e)
-
-        written.add_done_callback(checksum)
-        return checksums
+        try:
+            self._finish(self._write(write, partial), partial, final, self.group)
+        except UserError as e:  # raised on every rank at the next save or at the end
+            logger.warning(f"{e} (the run stops at its next save)")
+            raise
+        began = time.perf_counter() - start
+        logger.info(f"saved checkpoint {final} (committed {began:.1f} s after it began)")
 
     def wait(self) -> None:
-        """Finish the background save, if any, and commit it."""
-        if self.pending is None:
-            return
-        checksums, partial, final = self.pending
-        self._write_checksums(partial, checksums.result())
-        self._commit(partial, final)
-        self.pending = None
-        logger.info(f"saved checkpoint {final}")
+        """Wait for the background save, if any (it commits itself); raise what stopped it."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()
 
     def close(self) -> None:
         """At the end of training: the background save and deletion finished."""
-        self.wait()
-        self._wait_for_deletion()
+        try:
+            self.wait()
+        finally:
+            self.background.shutdown()
+            self._wait_for_deletion()
 
-    def _write_checksums(self, partial: Path, own: dict[str, dict]) -> None:
-        """Rank 0 writes every rank's checksums, and those of .metadata, into the checkpoint. Once rank 0
-        has them all, every rank's part is written."""
-        gathered = [{} for _ in range(dist.get_world_size(self.group))] if self.is_rank0 else None
-        dist.gather_object(own, gathered, dst=0, group=self.group)
-        if self.is_rank0:
-            files = {name: entry for part in gathered for name, entry in part.items()}
-            # .metadata, and any data file named unlike DCP names them today (a later torch).
-            others = [p for p in sorted(partial.glob("*.distcp")) if p.name not in files]
-            files.update(integrity.checksum([*others, partial / ".metadata"]))
-            integrity.write_manifest(partial, files)
-
-    def _commit(self, partial: Path, final: Path) -> None:
-        if self.is_rank0:
-            if final.exists():  # an older save of the same step (e.g. the run was restarted)
-                shutil.rmtree(final)
-            partial.rename(final)
-        dist.barrier(group=self.group)
+    def _finish(self, own: dict | str, partial: Path, final: Path, group=None) -> None:
+        """Every rank has written its files (own: their checksums) or failed (own: why). Rank 0
+        writes checksums.json (every rank's files and .metadata) and renames the folder complete."""
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, own, group=group)
+        error = next((e for e in everyone if isinstance(e, str)), None)
+        if self.is_rank0 and error is None:
+            try:
+                files = {name: entry for part in everyone for name, entry in part.items()}
+                # .metadata, and any data file named unlike DCP names them today (a later torch).
+                others = [p for p in sorted(partial.glob("*.distcp")) if p.name not in files]
+                files.update(integrity.checksum([*others, partial / ".metadata"]))
+                integrity.write_manifest(partial, files)
+                if final.exists():  # an older save of the same step (e.g. the run was restarted)
+                    shutil.rmtree(final)
+                partial.rename(final)
+            except OSError as e:
+                error = describe(e)
+        self._agree(partial, final, error, group)
         if self.is_rank0:
             self._delete_old_in_background()
+
+    def _agree(self, partial: Path, final: Path, error: str | None, group=None) -> None:
+        """Every rank learns rank 0's verdict; on an error every rank raises the same UserError,
+        after rank 0 removed the partial folder (the previous checkpoints stay as they are)."""
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0, group=group)
+        if verdict[0] is None:
+            return
+        if self.is_rank0:
+            shutil.rmtree(partial, ignore_errors=True)
+        latest = complete_steps(self.folder)
+        kept = f"{self.path(latest[-1])} is the latest complete one" if latest else "no other is complete"
+        raise UserError(f"checkpoint {final} could not be saved: {verdict[0]}; {kept}")
 
     def _delete_old_in_background(self) -> None:
         """keep_latest_k: delete older complete checkpoints off the critical path (a large
@@ -248,6 +273,7 @@ class Checkpointer:
         return False
 
     def _load_checkpoint(self, path: Path, hint: str) -> None:
+        start = time.perf_counter()
         parts = [p for p in PARTS if p not in self.config.exclude_from_loading]
         self._verify(path, hint)
         saved = _read_metadata(path)
@@ -269,7 +295,10 @@ class Checkpointer:
             self.train_state.load_dict(state["train"])
         if "dataloader" in parts:
             self.dataloader.load_state_dict(state["dataloader"])
-        logger.info(f"resumed from {path} (step {self.train_state.step}; loaded {', '.join(parts)})")
+        logger.info(
+            f"resumed from {path} in {time.perf_counter() - start:.1f} s (step {self.train_state.step}; "
+            f"loaded {', '.join(parts)})"
+        )
 
     def _verify(self, path: Path, hint: str = "") -> None:
         """Refuse a checkpoint whose files changed after they were saved. The ranks share the reading
@@ -333,7 +362,8 @@ def _warn_about_unused_saving_keys(config: Checkpoint) -> None:
     """Saving keys set with saving off: a recipe may keep them so (resuming keys set without enable
     are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
     defaults = Checkpoint()
-    keys = ("folder", "interval", "keep_latest_k", "async_mode", "last_save_model_only", "export_dtype")
+    keys = ("folder", "interval", "keep_latest_k", "async_mode", "writer_threads", "last_save_model_only",
+            "export_dtype")  # fmt: skip
     unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
     if unused:
         logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")

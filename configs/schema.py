@@ -400,6 +400,10 @@ class Checkpoint(Section):
     by a background thread while training goes on. async_with_pinned_mem: the same through pinned
     host buffers (faster copies from the GPU)."""
 
+    writer_threads: int = 4
+    """Threads each rank writes its checkpoint files with (more, smaller files; DCP's
+    FileSystemWriter thread_count). docs/performance.md has the measured effect."""
+
     last_save_model_only: bool = False
     """At the last step save only the model weights (in export_dtype), e.g. for export; such a
     checkpoint can start another run (initial_load_path) but not continue this one."""
@@ -424,6 +428,7 @@ class Checkpoint(Section):
         require(section, self, [
             ("interval", self.interval >= 1, "must be >= 1"),
             ("keep_latest_k", self.keep_latest_k >= 0, "must be >= 0 (0 keeps all)"),
+            ("writer_threads", self.writer_threads >= 1, "must be >= 1"),
             ("folder", self.folder.strip() != "", "must not be empty"),
             ("exclude_from_loading",
              set(self.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},

@@ -106,9 +106,10 @@ def logged_steps(folder: Path) -> list[int]:
 
 
 def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
-    """kill -9 a 2-rank run after it logged steps past its latest checkpoint; the same command
-    finishes it, and metrics.jsonl drops the steps it redoes."""
-    steps = ["--training.steps", "60", "--checkpoint.interval", "10"]
+    """kill -9 a 2-rank run saving in the background every 10 steps, after it logged steps past
+    its first checkpoint (maybe during a save); the same command finishes it from the latest
+    complete checkpoint, and metrics.jsonl drops the steps it redoes."""
+    steps = ["--training.steps", "60", "--checkpoint.interval", "10", "--checkpoint.async_mode", "async"]
     args = [*COMMON, *steps, "--training.local_batch_size", "4"]
     uninterrupted = tmp_path / "uninterrupted"
     off = ["--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)]
@@ -283,6 +284,58 @@ def test_damaged_checkpoint_is_refused_by_every_rank_and_kept(sources, tmp_path)
     assert f"checkpoint {damaged} is damaged: __1_0.distcp does not match its checksum" in errors[0]
     assert checksums(damaged) == before
     assert not (folder / "metrics.jsonl").exists() and "resumed from" not in result.stdout
+
+
+# Loaded by every train.py process through PYTHONPATH: rank 1's writes into FAIL_SAVE's folder
+# fail as on a full disk, part-way through its file.
+FAILING_WRITES = """
+import errno, os
+import torch.distributed.checkpoint.filesystem as filesystem
+
+write_item = filesystem._write_item
+
+def failing_write_item(transforms, stream, *args, **kwargs):
+    marker = os.environ.get("FAIL_SAVE")
+    if marker and os.environ.get("RANK") == "1" and marker in str(getattr(stream, "name", "")):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
+    return write_item(transforms, stream, *args, **kwargs)
+
+filesystem._write_item = failing_write_item
+"""
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_failed_save_stops_every_rank_with_one_error_and_keeps_the_last(mode, tmp_path, monkeypatch):
+    """Rank 1 cannot write step-10 (ENOSPC): both ranks stop with one error line naming the
+    checkpoint and the cause, exit 2, no traceback; step-10's partial folder is gone, step-5 is
+    complete and the same command resumes from it. Async: the save of step 5 is committed as soon as
+    it is written (before step 10), and the failure in the background stops the run at its next
+    save (the last step)."""
+    (tmp_path / "sitecustomize.py").write_text(FAILING_WRITES)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("FAIL_SAVE", "step-10.partial")
+    folder = tmp_path / "run"
+    args = [*COMMON, "--training.steps", "12", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+            "--checkpoint.async_mode", mode, "--job.dump_folder", str(folder)]  # fmt: skip
+    result = run_train(args, nproc=2, check=False)
+    checkpoints = folder / "checkpoint"
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(lines) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    line = lines[0]  # (the workers exit with 2; torchrun reports a failed worker with 1)
+    assert line.startswith(f"error: checkpoint {checkpoints / 'step-10'} could not be saved: No space left "
+                           f"on device ({checkpoints / 'step-10.partial'}/__1_"), line  # fmt: skip
+    assert line.endswith(f"; {checkpoints / 'step-5'} is the latest complete one")
+    # No traceback from the workers (torchrun's own report of a failed worker follows the error line).
+    assert "Traceback" not in result.stderr[: result.stderr.index(line)], result.stderr
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-5"]
+    assert (checkpoints / "step-5" / "checksums.json").exists()
+    if mode == "async":
+        output = result.stdout
+        committed = output.index(f"saved checkpoint {checkpoints / 'step-5'} (committed")
+        assert committed < output.index("step 10 |")
+        monkeypatch.delenv("FAIL_SAVE")
+        result = run_train(args, nproc=2)
+        assert f"resumed from {checkpoints / 'step-5'} " in result.stdout
 
 
 def test_checkpoint_of_another_model_is_refused(reference, tmp_path):
