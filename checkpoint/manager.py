@@ -74,7 +74,10 @@ class Checkpointer:
         self.is_rank0 = self.rank == 0
         self.pending: concurrent.futures.Future | None = None  # the async save in flight
         self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self.stager: Stager | None = None  # host copies of the state, reused by every async save
+        self.stager = None  # host copies of the state, refilled by every async save
+        if config.enable and config.async_mode != "disabled":
+            pinned = config.async_mode == "async_with_pinned_mem"
+            self.stager = Stager(pinned, optimizers.parts, lambda: self._state())
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
@@ -139,8 +142,6 @@ class Checkpointer:
                 f"{written - start:.1f} s, checksums {end - written:.1f} s)"
             )
         else:
-            if self.stager is None:
-                self.stager = Stager(self.config.async_mode == "async_with_pinned_mem", self.optimizers.parts)
             staged = self.stager.stage(state)
             # Written, checksummed and committed in the background, as soon as the write ends.
             self.pending = self.background.submit(self._save_in_background, staged, partial, final, start)

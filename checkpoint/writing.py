@@ -1,22 +1,26 @@
 """Getting a save's bytes to disk: host copies for async saves, DCP's writer threads, and what a
 failed write is called.
 
-Staging. An async save first copies every tensor it saves to host memory ("staging"), so that training can
-change the weights while a background thread writes the copies. torch's DefaultStager keeps its host
-buffers between saves when the same stager is used again, so the buffers are allocated (and, for
-async_with_pinned_mem, page-locked) by the first save only. With pinned buffers on a GPU the copies
-run on a side stream while training goes on; the next optimizer step, the first thing that changes
-what is being copied, waits for them (a pre-hook on every optimizer).
+Staging. An async save first copies every tensor it saves to host memory, so that training can
+change the weights while a background thread writes the copies. The host buffers are allocated
+(and, for async_with_pinned_mem, page-locked, which takes seconds and stalls the GPU's other work)
+once, right after the first optimizer step, and refilled by every save. With pinned buffers on a
+GPU the copies run on a side stream, issued by a staging thread, while training goes on; the next
+optimizer step, the first thing that changes what is being copied, waits for them (a pre-hook on
+every optimizer). (torch's DefaultStager does the same but fails on torch 2.11 with
+`KeyError: <class 'type'>` on this state.)
 """
 
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from configs.errors import first_line
 
@@ -24,28 +28,44 @@ logger = logging.getLogger(__name__)
 
 
 class Stager:
-    def __init__(self, pinned: bool, optimizers: list[torch.optim.Optimizer]):
-        self.overlapped = pinned and torch.cuda.is_available()  # copies overlap training
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=self.overlapped,
-                use_shared_memory=False,
-                use_async_staging=self.overlapped,
-                use_non_blocking_copy=self.overlapped,
-            )
-        )
+    def __init__(self, pinned: bool, optimizers: list[torch.optim.Optimizer], state: Callable[[], dict]):
+        """state: what a save holds (its tensors exist once the first optimizer step made the
+        AdamW moments; the buffers are allocated then, off the saves' critical path)."""
+        self.overlapped = pinned and torch.cuda.is_available()  # pinned buffers, copies overlap training
+        self.buffers: dict[str, torch.Tensor] = {}  # host copy of each tensor, by its path in the state
         self.copying: concurrent.futures.Future | None = None
         if self.overlapped:
+            self.stream = torch.cuda.Stream()
+            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="staging")
             for optimizer in optimizers:
                 optimizer.register_step_pre_hook(lambda *_: self.wait())
 
+        def allocate_after_first_step(*_) -> None:
+            hook.remove()
+            start = time.perf_counter()
+            self._copy("", state(), fill=False)
+            size = sum(buffer.nbytes for buffer in self.buffers.values()) / 1e9
+            kind = "pinned " if self.overlapped else ""
+            took = time.perf_counter() - start
+            logger.info(f"{size:.1f} GB of {kind}host memory for async saves, allocated in {took:.1f} s")
+
+        hook = optimizers[-1].register_step_post_hook(allocate_after_first_step)
+
     def stage(self, state: dict):
-        """The host copy of state, or (overlapped) a future of it."""
+        """The host copy of state (tensors into the kept buffers, the rest copied), or (overlapped)
+        a future of it."""
         if not self.overlapped:
-            return self.stager.stage(state)
-        # The side stream's copies must see this step's update, which the GPU may still be running.
-        torch.cuda.current_stream().synchronize()
-        self.copying = self.stager.stage(state)
+            return self._copy("", state)
+        # The copies wait on the GPU, not here, for this step's update to the weights.
+        self.stream.wait_stream(torch.cuda.current_stream())
+
+        def copy_on_side_stream() -> dict:
+            with torch.cuda.stream(self.stream):
+                staged = self._copy("", state)
+            self.stream.synchronize()
+            return staged
+
+        self.copying = self.thread.submit(copy_on_side_stream)
         return self.copying
 
     def wait(self) -> None:
@@ -56,6 +76,29 @@ class Stager:
             copying.result()
             waited = time.perf_counter() - start
             logger.info(f"the optimizer step waited {waited:.2f} s for the checkpoint's host copy")
+
+    def _copy(self, path: str, value, fill: bool = True):
+        """value with its tensors copied into the buffers kept for their paths (made if missing;
+        fill=False only makes them)."""
+        if isinstance(value, dict):
+            return {key: self._copy(f"{path}/{key}", item, fill) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(f"{path}/{index}", item, fill) for index, item in enumerate(value))
+        if not isinstance(value, torch.Tensor):
+            return copy.deepcopy(value)
+        local = value.to_local() if isinstance(value, DTensor) else value
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.overlapped)
+            self.buffers[path] = buffer
+        if not fill:
+            return None
+        if local.is_cuda and self.overlapped:
+            local.record_stream(self.stream)  # kept alive until the side stream has read it
+        buffer.copy_(local.detach(), non_blocking=self.overlapped)
+        if isinstance(value, DTensor):  # (from_local would move the buffer back to the mesh's device)
+            return DTensor(buffer, value._spec, requires_grad=False)
+        return buffer
 
 
 @contextlib.contextmanager

@@ -6,11 +6,14 @@ that run while a background save writes. Prints one JSON line.
 
 Trains --steps steps saving every --interval steps into a fresh folder under --folder (the last
 step's save is model-only, to keep the run short), then resumes from the last full checkpoint and
-trains to the same step. Times are train.py's own log lines (rank 0): a
-synchronous save's total, write and checksum seconds and its size; an async save's staging time
-(what training waited for); the resume's check and load seconds. `step_tps` is each step's tok/s, so
-the steps after a save show what the background write costs. --dd first measures what the disk
-allows: dd writing --dd-gib GiB with direct I/O and through the page cache.
+trains to the same step. Times are train.py's own log lines (rank 0): a synchronous save's total,
+write and checksum seconds and its size; an async save's blocking time (staging, and the next
+optimizer step's wait for the host copy); the resume's check and load seconds. `step_tps` is each
+step's tok/s, so the steps after a save show what the background write costs; `resumed_loss` is
+the loss of the first resumed step in the uninterrupted run and after the resume (equal if the
+save was exact).
+--dd first measures what the disk allows: dd writing --dd-gib GiB with direct I/O and through the
+page cache.
 """
 
 import argparse
@@ -94,8 +97,10 @@ def main() -> int:
             result["write_gb_s"] = round(float(saves[0][1]) / float(saves[0][2]), 2)
         background = r"saved checkpoint \S+ \(committed ([\d.]+) s after it began\)"
         result["async_total_s"] = [float(s) for s in re.findall(background, log)]
-        staged = r"in the background \(staged in ([\d.]+) s\)"
-        result["async_staging_s"] = [float(s) for s in re.findall(staged, log)]
+        blocked = r"in the background \(training blocked ([\d.]+) s\)"
+        result["async_blocked_s"] = [float(s) for s in re.findall(blocked, log)]
+        waited = r"the optimizer step waited ([\d.]+) s for the checkpoint's host copy"
+        result["optimizer_waited_s"] = [float(s) for s in re.findall(waited, log)]
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         tps = {r["step"]: r["tps"] for r in records if "tps" in r and r.get("tps")}
         result["step_tps"] = [tps.get(step) for step in range(1, args.steps + 1)]
@@ -105,6 +110,11 @@ def main() -> int:
 
         last_full = (args.steps - 1) // args.interval * args.interval
         log, wall = train(args, str(folder), [*args.overrides, "--checkpoint.load_step", str(last_full)])
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        again = {r["step"]: r["loss"] for r in map(json.loads, lines) if "tps" in r}
+        first = {r["step"]: r["loss"] for r in records if "tps" in r}
+        # The resumed run's first step against the uninterrupted one's: equal if the save was exact.
+        result["resumed_loss"] = [first.get(last_full + 1), again.get(last_full + 1)]
         checked = re.search(r"against its checksums in ([\d.]+) s", log)
         loaded = re.search(r"resumed from \S+ in ([\d.]+) s", log)
         result["verify_s"] = float(checked.group(1)) if checked else None
