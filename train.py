@@ -56,6 +56,7 @@ if __name__ == "__main__":
     except UserError as e:
         sys.exit(report_user_error(e))
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -69,6 +70,7 @@ from parallelisms.float8 import precompute_float8_scales
 from training import distributed, profiling
 from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
+from training.fault_tolerance import FaultTolerance
 from training.grad_clip import clip_grad_norm_
 from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
 from training.model_setup import build_model
@@ -89,6 +91,8 @@ def train(config: JobConfig) -> int:
         return 0
     device = distributed.select_device(config.training.device)
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
+    if config.fault_tolerance.enable:  # torchft's gradient hook is on FSDP units: FSDP wraps one device too
+        dims = dataclasses.replace(dims, fsdp_single_device=True)
     distributed.init_process_group(device)
     mesh = dims.build_mesh(device.type)
     is_logging_rank = distributed.rank() == 0
@@ -106,7 +110,9 @@ def train(config: JobConfig) -> int:
     optimizers = Optimizers(model.parts, config.optimizer, config.lr_scheduler, config.training.steps, device)
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
-    dp_degree, dp_rank = dims.dp, mesh["dp"].get_local_rank()
+    # Replica groups of fault tolerance (torchft) read their shares of one global batch, as HSDP's.
+    fault_tolerance = FaultTolerance(config.fault_tolerance, device, dims.dp_replicate)
+    dp_degree, dp_rank = fault_tolerance.data_parallel(dims.dp, mesh["dp"].get_local_rank())
     global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
     tokens_per_step = global_batch * config.training.seq_len
     dataloader = build_dataloader(
@@ -124,20 +130,25 @@ def train(config: JobConfig) -> int:
         model.spec.state_dict_adapter(model.args), config.training.steps,
     )  # fmt: skip
     resumed = checkpointer.load()
+    fault_tolerance.register_state(model.parts, optimizers, dataloader, train_state)
+    fault_tolerance.hook_gradients(model.parts)
 
-    # Every check has passed: only now is anything written into the dump folder.
-    check_fresh_record(dump_folder, resumed)
+    # Every check has passed: only now is anything written into the dump folder (with fault
+    # tolerance each replica group keeps its records in replica_<id>/, continued when it restarts).
+    record_folder = fault_tolerance.record_folder(dump_folder)
+    if not fault_tolerance.enabled:
+        check_fresh_record(record_folder, resumed)
     if is_logging_rank:
         try:
-            dump_folder.mkdir(parents=True, exist_ok=True)
-            (dump_folder / "config.toml").write_text(config_to_toml(config))
+            record_folder.mkdir(parents=True, exist_ok=True)
+            (record_folder / "config.toml").write_text(config_to_toml(config))
         except OSError as e:
             raise UserError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
     metrics = MetricsLogger(
-        str(dump_folder), device, tokens_per_step, distributed.world_size(), model.flops_per_token,
-        config.training.steps, peak_tflops(device, config.metrics.peak_tflops), config.metrics.log_freq,
-        write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
-        resumed_step=train_state.step,
+        str(record_folder), device, tokens_per_step, distributed.world_size() * fault_tolerance.groups,
+        model.flops_per_token, config.training.steps, peak_tflops(device, config.metrics.peak_tflops),
+        config.metrics.log_freq, write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
+        resumed_step=None if fault_tolerance.enabled else train_state.step,
     )  # fmt: skip
     first_step, last_step = train_state.step + 1, config.training.steps
     logger.info(
@@ -155,17 +166,24 @@ def train(config: JobConfig) -> int:
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
 
-    for step in range(first_step, last_step + 1):
+    while train_state.step < last_step:
+        if fault_tolerance.start_step():  # torchft: this group was behind and copied a live peer's state
+            metrics.start(train_state.step)
+        step = train_state.step + 1
         profiler.step_begins(step)
         lr = optimizers.set_lr(step)
         micro_batches = dataloader.next_step()
         step_loss = step_runner.forward_backward(micro_batches)
         grad_norm = clip_grad_norm_(parameters, config.training.max_norm, pp_group)
+        if not fault_tolerance.commit():  # a replica group failed during the step: no update anywhere
+            optimizers.zero_grad()
+            continue
         optimizers.step(skip=nonfinite_guard.skip_update(grad_norm, step))  # decided on the device
         optimizers.zero_grad()
         expert_balance.after_step()  # MoE: expert bias update from the step's token counts
         precompute_float8_scales(model.parts, config.float8)
-        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens_per_step
+        tokens = tokens_per_step * fault_tolerance.participants() // fault_tolerance.groups
+        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens
         profiler.step_ends(step)
 
         if step == first_step:
@@ -175,12 +193,15 @@ def train(config: JobConfig) -> int:
             extra = expert_balance.statistics()
             if config.metrics.log_sample_ids:
                 extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-            metrics.log(step, step_runner.global_loss(step_loss), grad_norm.item(), lr, extra)
+            loss = fault_tolerance.sum_over_groups(step_runner.global_loss(step_loss))
+            metrics.log(step, loss, grad_norm.item(), lr, extra)
         if validator.due(step, last_step):
             with metrics.paused():
-                metrics.log_validation(step, validator.evaluate(step_runner.evaluate))
+                loss = fault_tolerance.sum_over_groups(validator.evaluate(step_runner.evaluate))
+                metrics.log_validation(step, loss)
         stopping = stop_signals.requested(step)
-        if checkpointer.due(step) or (stopping and checkpointer.enabled):
+        saving = checkpointer.due(step) or (stopping and checkpointer.enabled)
+        if saving and fault_tolerance.writes_checkpoints():  # one replica group saves
             nonfinite_guard.check()  # an update held back by a non-finite step is never saved
             with metrics.paused():
                 checkpointer.save(step, blocking=stopping)
@@ -192,6 +213,7 @@ def train(config: JobConfig) -> int:
     nonfinite_guard.check()
     checkpointer.close()
     metrics.close()
+    fault_tolerance.close()
     if config.compile.enable:
         frames = step_runner.recompiles.recompiled
         logger.info(f"torch.compile: {frames} frame{'s' * (frames != 1)} compiled after step 2")

@@ -443,6 +443,44 @@ class Checkpoint(Section):
 
 
 @dataclass
+class FaultTolerance(Section):
+    enable: bool = False
+    """Train as one of several replica groups through torchft (pip install torchft): each group is
+    its own torchrun job (FSDP/TP/PP/CP inside it), the groups all-reduce gradients in place of
+    HSDP's replicas, a step in which a group fails is not committed anywhere, the others go on,
+    and a restarted group copies the live state from a peer (docs/fault_tolerance.md)."""
+
+    replica_id: int = 0
+    """This group's index, 0 .. group_size - 1 (it also picks the group's share of each batch)."""
+
+    group_size: int = 0
+    """Number of replica groups (required with enable). training.global_batch_size counts the
+    samples of all of them, as it counts HSDP replicas."""
+
+    min_replica_size: int = 1
+    """Groups that must take part in a step for it to be committed."""
+
+    lighthouse: str = ""
+    """Address of torchft's lighthouse (e.g. http://host:29510); empty: $TORCHFT_LIGHTHOUSE."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend between the groups; auto: nccl on GPUs, gloo on CPU."""
+
+    timeout_seconds: float = 60.0
+    """How long a collective between groups, a quorum or a peer's state transfer may take before
+    the step fails."""
+
+    def check(self, section: str) -> None:
+        require(section, self, [
+            ("group_size", not self.enable or self.group_size >= 1, "must be >= 1 with enable"),
+            ("replica_id", 0 <= self.replica_id < max(self.group_size, 1), "must be in 0 .. group_size - 1"),
+            ("min_replica_size", 1 <= self.min_replica_size <= max(self.group_size, 1),
+             "must be in 1 .. group_size"),
+            ("timeout_seconds", self.timeout_seconds > 0, "must be > 0"),
+        ])  # fmt: skip
+
+
+@dataclass
 class Metrics(Section):
     log_freq: int = 10
     """Log a progress line and a metrics.jsonl record every this many steps (and on the last)."""
@@ -477,6 +515,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     profiling: Profiling = field(default_factory=Profiling)
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)

@@ -142,6 +142,13 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("ac option", ["--activation_checkpoint.selective_ac_option", "x"], 'must be "op" or a positive'),
         ("exclude", ["--checkpoint.exclude_from_loading", "weights"], "may only name model, optimizer"),
         ("keep k", ["--checkpoint.keep_latest_k=-1"], "checkpoint.keep_latest_k must be >= 0"),
+        ("writer threads", ["--checkpoint.writer_threads", "0"], "checkpoint.writer_threads must be >= 1"),
+        ("replica groups", ["--fault_tolerance.enable"], "fault_tolerance.group_size must be >= 1 with enable"),
+        ("replica id", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id",
+                        "2"], "fault_tolerance.replica_id must be in 0 .. group_size - 1"),
+        ("no lighthouse", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
+         "fault_tolerance needs the lighthouse's address"),
+
         ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
                            "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),
         ("compile x TP x AC", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",

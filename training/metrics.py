@@ -98,10 +98,11 @@ class MetricsLogger:
         log_freq: int,
         write: bool,
         enable_tensorboard: bool,
-        resumed_step: int = 0,
+        resumed_step: int | None = 0,
     ):
         """resumed_step: the step of the checkpoint this run resumed from (0 for a new run); the
-        records of later steps, logged by an earlier run in this folder, are dropped."""
+        records of later steps, logged by an earlier run in this folder, are dropped (None: kept, for
+        a fault-tolerant replica group, which continues its records after a restart)."""
         self.device = device
         self.tokens_per_step = tokens_per_step
         self.world_size = world_size
@@ -111,14 +112,15 @@ class MetricsLogger:
         self.log_freq = log_freq
         self.write = write  # only one rank writes files
         self.jsonl = Path(dump_folder) / "metrics.jsonl"
-        if write:
+        if write and resumed_step is not None:
             self._drop_records_after(resumed_step)
         self.tensorboard = None
         if write and enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             # TensorBoard hides the events of steps >= purge_step written before this point.
-            self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"), purge_step=resumed_step + 1)
+            purge = None if resumed_step is None else resumed_step + 1
+            self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"), purge_step=purge)
         self.last_time = time.perf_counter()
         self.last_step = 0
         self.paused_seconds = 0.0  # in the current window, not training (validation, saves)

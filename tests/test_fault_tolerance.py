@@ -1,0 +1,149 @@
+"""Fault tolerance (torchft): replica groups give the HSDP-equivalent run; a killed group is left
+behind, the other goes on, and the restarted group heals from it (scripts/fault_tolerance_local.sh,
+the lighthouse and each group a real process; fp32, CPU, gloo)."""
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from conftest import REPO, TINY, read_metrics, run_train
+
+from checkpoint.state import TrainState
+from configs.schema import LRScheduler, Optimizer
+from training.fault_tolerance import healing_state, load_healing_state
+from training.optimizer import Optimizers
+
+ARGS = [*TINY, "--training.global_batch_size", "8", "--training.local_batch_size", "4"]
+
+
+class Cursor:
+    def __init__(self, position: int):
+        self.position = position
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def test_healing_state_carries_weights_moments_step_rng_and_cursor():
+    """What a live group sends (through torch.save, as torchft's transport does) makes a fresh
+    group's model, AdamW moments, step, RNG and data cursor the sender's: the next step is equal."""
+    groups = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        optimizers = Optimizers(
+            [model], Optimizer(lr=1e-2), LRScheduler(warmup_steps=0), 10, torch.device("cpu")
+        )
+        groups.append((model, optimizers, Cursor(seed), TrainState(model="tiny")))
+    (live, live_opt, live_cursor, live_state), (fresh, fresh_opt, fresh_cursor, fresh_state) = groups
+    data = torch.randn(5, 8)
+    live(data).square().sum().backward()
+    live_opt.step()
+    live_opt.zero_grad()
+    live_state.step, live_cursor.position = 7, 123
+    torch.manual_seed(42)
+    buffer = io.BytesIO()
+    torch.save(healing_state([live], live_opt, live_cursor, live_state), buffer)
+    buffer.seek(0)
+    torch.manual_seed(0)
+    load_healing_state(torch.load(buffer, weights_only=False), [fresh], fresh_opt, fresh_cursor, fresh_state)
+    assert fresh_state.step == 7 and fresh_cursor.position == 123
+    drawn = torch.rand(3)  # from the sender's RNG state
+    torch.manual_seed(42)
+    assert torch.equal(drawn, torch.rand(3))
+    for model, optimizers in ((live, live_opt), (fresh, fresh_opt)):
+        model(data).square().sum().backward()
+        optimizers.step()
+    for a, b in zip(live.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def group_pids(replica_id: int) -> list[int]:
+    """The train.py processes of one replica group (not its torchrun)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if (
+            b"train.py" in command
+            and b"torch.distributed.run" not in command[:3]
+            and not any(part.endswith(b"torchrun") for part in command[:2])
+        ):
+            if b"--fault_tolerance.replica_id" in command:
+                if command[command.index(b"--fault_tolerance.replica_id") + 1] == str(replica_id).encode():
+                    found.append(int(entry.name))
+    return found
+
+
+def launch(folder: Path, steps: int, extra: dict, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", REPLICA_GROUPS="2", HEARTBEAT_MS="1000", **extra)
+    command = ["bash", str(REPO / "scripts/fault_tolerance_local.sh"), *ARGS, "--training.steps", str(steps),
+               "--job.dump_folder", str(folder), *args]  # fmt: skip
+    return subprocess.Popen(
+        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_two_replica_groups_equal_fsdp_2(tmp_path):
+    """Two groups of one process each (both needed for a quorum) log the losses and grad norms of
+    one FSDP 2 run with the same global batch: the groups read its two data-parallel shares."""
+    folder = tmp_path / "ft"
+    process = launch(folder, 10, {"MIN_REPLICAS": "2", "RESTARTS": "0"})
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output + (folder / "replica_0.log").read_text()[-3000:]
+    run_train([*ARGS, "--training.steps", "10", "--job.dump_folder", str(tmp_path / "fsdp2")], nproc=2)
+    reference = read_metrics(tmp_path / "fsdp2")
+    for replica in (0, 1):
+        records = read_metrics(folder / f"replica_{replica}")
+        assert [r["step"] for r in records] == list(range(1, 11))
+        for ours, want in zip(records, reference):
+            assert abs(ours["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"])
+            assert abs(ours["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+
+
+def test_killed_group_is_left_behind_and_heals_from_the_live_one(tmp_path):
+    """kill -9 group 1's worker: group 0 goes on alone (no restart, every step logged once); the
+    launcher starts group 1 again, which copies group 0's state and finishes in step with it."""
+    folder = tmp_path / "ft"
+    steps = 400
+    process = launch(folder, steps, {"RESTARTS": "1"}, "--metrics.log_freq", "10")
+    deadline = time.time() + 120
+    record = folder / "replica_1" / "metrics.jsonl"
+    while not (record.exists() and len(record.read_text().splitlines()) >= 2):
+        assert process.poll() is None and time.time() < deadline, (folder / "replica_1.log").read_text()[
+            -3000:
+        ]
+        time.sleep(0.05)
+    victims = group_pids(1)
+    assert victims
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    killed_after = max(r["step"] for r in read_metrics(folder / "replica_1"))
+    output, _ = process.communicate(timeout=300)
+    logs = [(folder / f"replica_{i}.log").read_text() for i in (0, 1)]
+    assert process.returncode == 0, output + logs[0][-2000:] + logs[1][-3000:]
+    assert "replica group 1: restart 1" in output
+    healed = [
+        int(s) for s in re.findall(r"healed from a live replica group: continuing after step (\d+)", logs[1])
+    ]
+    assert healed and healed[-1] > killed_after + 10, (healed, killed_after)
+    survivor = read_metrics(folder / "replica_0")
+    assert [r["step"] for r in survivor] == list(range(10, steps + 1, 10))  # never restarted, nothing redone
+    rejoined = read_metrics(folder / "replica_1")
+    steps_1 = [r["step"] for r in rejoined]
+    assert steps_1 == sorted(set(steps_1)) and steps_1[-1] == steps  # its records continue after the gap
+    # After the heal both groups take part in every step: the same global loss at each logged step.
+    after = {r["step"]: r["loss"] for r in rejoined if r["step"] > healed[-1]}
+    assert after and all(abs(r["loss"] - after[r["step"]]) < 1e-9 for r in survivor if r["step"] in after)
+    assert json.loads((folder / "replica_0" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == steps

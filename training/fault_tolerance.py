@@ -1,0 +1,196 @@
+"""Fault tolerance through torchft: replica groups that lose a member, keep training, and heal it.
+
+Each replica group is its own torchrun job with its own parallelism inside (FSDP, TP, PP, CP); the
+groups take HSDP's replicate dimension: after FSDP's reduce-scatter inside a group, each gradient
+shard is all-reduced between the groups through torchft's managed process group (a hook on every
+FSDP unit, so FSDP wraps even one device). Every step starts with a quorum of the live groups
+(torchft's lighthouse decides it); a group whose state is behind, e.g. restarted after a failure,
+copies it from a live peer there: model, optimizer, step, tokens seen, RNG and data cursor. The
+step is committed (the optimizer updates) only if no group failed during it; otherwise no group
+updates and the loop runs the step again with the next samples. Disabled, every method is a no-op
+and the loop runs as without it.
+
+Data: the groups read one global sample order as HSDP replicas do, group g the slices of
+data-parallel ranks g x dp ... (g + 1) x dp - 1. A step's loss is normalized by the tokens of the
+whole global batch, so the groups' gradients are summed: all-reduced as a mean over the live groups
+times group_size, which with every group alive is the sum, and with fewer is the mean gradient of
+the samples that were read. The samples of a dead group's slices, and of a step that failed, are
+skipped, never read twice (docs/fault_tolerance.md).
+"""
+
+import logging
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from checkpoint.state import load_model_state, load_optimizer_state, model_state, optimizer_state
+from configs import UserError
+from configs.schema import FaultTolerance as Config
+from models.moe import moe_layers
+
+logger = logging.getLogger(__name__)
+
+
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def like(ours: dict, received: dict) -> dict:
+    """received's local tensors as DTensors shaped like ours (the same layout in every group)."""
+    wrap = lambda key, value: DTensor(received[key], value._spec, requires_grad=False)
+    return {key: wrap(key, v) if isinstance(v, DTensor) else received[key] for key, v in ours.items()}
+
+
+def healing_state(model_parts, optimizers, dataloader, train_state) -> dict:
+    """Each rank's own shards of the model and optimizer (every group has the same layout), and the
+    step, tokens seen, RNG and data cursor."""
+    return {
+        "model": {k: local(v) for k, v in model_state(model_parts).items()},
+        "optimizer": {k: local(v) for k, v in optimizer_state(model_parts, optimizers.parts).items()},
+        "train": train_state.to_dict(),
+        "dataloader": dataloader.state_dict(),
+    }
+
+
+def load_healing_state(received: dict, model_parts, optimizers, dataloader, train_state) -> None:
+    load_model_state(model_parts, like(model_state(model_parts), received["model"]))
+    ours = optimizer_state(model_parts, optimizers.parts)
+    load_optimizer_state(model_parts, optimizers.parts, like(ours, received["optimizer"]))
+    train_state.load_dict(received["train"])
+    dataloader.load_state_dict(received["dataloader"])
+
+
+class FaultTolerance:
+    def __init__(self, config: Config, device: torch.device, dp_replicate: int):
+        self.enabled = config.enable
+        self.groups = config.group_size if config.enable else 1
+        self.replica_id = config.replica_id if config.enable else 0
+        self.manager = None
+        self.device = device
+        self.healed = False  # set by a peer's state arriving in start_step
+        if not self.enabled:
+            return
+        if dp_replicate != 1:
+            raise UserError(
+                "fault_tolerance replaces HSDP's replicas: set parallelism.data_parallel_replicate_degree "
+                "= 1 and fault_tolerance.group_size to the number of replica groups"
+            )
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Python side every commit
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # its transfers
+        try:
+            import torchft
+        except ImportError:
+            raise UserError("fault_tolerance.enable needs torchft (pip install torchft)") from None
+        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+        if not lighthouse:
+            raise UserError("fault_tolerance needs the lighthouse's address: fault_tolerance.lighthouse or "
+                            "$TORCHFT_LIGHTHOUSE (scripts/fault_tolerance_local.sh starts one)")  # fmt: skip
+        if "MASTER_ADDR" not in os.environ:
+            raise UserError("fault_tolerance needs torchrun (each replica group is a torchrun job)")
+        timeout = timedelta(seconds=config.timeout_seconds)
+        nccl = config.backend == "nccl" or (config.backend == "auto" and device.type == "cuda")
+        group = (torchft.ProcessGroupNCCL if nccl else torchft.ProcessGroupGloo)(timeout=timeout)
+        self.manager = torchft.Manager(
+            pg=group,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=config.min_replica_size,
+            use_async_quorum=False,  # a group that is behind heals in start_step, before it reads data
+            replica_id=f"replica_{config.replica_id}",
+            lighthouse_addr=lighthouse,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            init_sync=False,  # every group starts from the same seed or checkpoint
+        )
+
+    # ---- data and reductions ---------------------------------------------------------------
+    def data_parallel(self, degree: int, rank: int) -> tuple[int, int]:
+        """This rank's place among the data-parallel ranks of all groups: (degree, rank)."""
+        return degree * self.groups, self.replica_id * degree + rank
+
+    def _sum_in_place(self, tensor: torch.Tensor) -> None:
+        """The sum of every group's tensor: the mean of the live groups' x group_size."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG).wait()
+        tensor.mul_(self.groups)
+
+    def sum_over_groups(self, value: float) -> float:
+        """A group's share of a loss (normalized by the whole global batch) -> the global loss."""
+        if not self.enabled:
+            return value
+        tensor = torch.tensor(value, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
+                              device=self.device)  # fmt: skip
+        self._sum_in_place(tensor)
+        return tensor.item()
+
+    def record_folder(self, dump_folder: Path) -> Path:
+        """Where this group's metrics.jsonl, tb/ and config.toml go (checkpoints are shared)."""
+        return dump_folder / f"replica_{self.replica_id}" if self.enabled else dump_folder
+
+    def hook_gradients(self, model_parts: list[nn.Module]) -> None:
+        """Every FSDP unit's reduced gradient shards are summed over the groups (FSDP's all-reduce
+        hook runs after its reduce-scatter, where HSDP would all-reduce)."""
+        if not self.enabled:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(moe_layers(part) for part in model_parts):
+            raise UserError(
+                "fault_tolerance with Mixture-of-Experts layers is not supported yet (each group's "
+                "expert-load counts would move its expert biases apart)"
+            )
+        for part in model_parts:
+            for unit in part.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_all_reduce_hook(self._sum_in_place)
+
+    # ---- the state a group heals from ------------------------------------------------------
+    def register_state(self, model_parts, optimizers, dataloader, train_state) -> None:
+        """What a peer sends a group that is behind (healing_state), loaded by load_healing_state."""
+        if not self.enabled:
+            return
+
+        def load(received: dict) -> None:
+            load_healing_state(received, model_parts, optimizers, dataloader, train_state)
+            self.healed = True
+            logger.info(f"healed from a live replica group: continuing after step {train_state.step}")
+
+        save = lambda: healing_state(model_parts, optimizers, dataloader, train_state)
+        self.manager.register_state_dict_fn("train", load, save)
+
+    # ---- the step protocol -----------------------------------------------------------------
+    def start_step(self) -> bool:
+        """The quorum of live groups for this step; a group that is behind heals here (True)."""
+        if not self.enabled:
+            return False
+        self.healed = False
+        self.manager.start_quorum()
+        return self.healed
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished this step (else no group updates)."""
+        if not self.enabled:
+            return True
+        committed = self.manager.should_commit()
+        if not committed:
+            logger.warning("a replica group failed during this step: not committed, the step runs again")
+        return committed
+
+    def participants(self) -> int:
+        return self.manager.num_participants() if self.enabled else 1
+
+    def writes_checkpoints(self) -> bool:
+        """One group saves: the first live one (checkpoints are shared by all groups)."""
+        return not self.enabled or self.manager.participating_rank() == 0
+
+    def close(self) -> None:
+        if self.enabled:
+            self.manager.shutdown(wait=False)
