@@ -97,9 +97,11 @@ def launch(folder: Path, steps: int, extra: dict, *args: str) -> subprocess.Pope
 
 def test_two_replica_groups_equal_fsdp_2(tmp_path):
     """Two groups of one process each (both needed for a quorum) log the losses and grad norms of
-    one FSDP 2 run with the same global batch: the groups read its two data-parallel shares."""
+    one FSDP 2 run with the same global batch: the groups read its two data-parallel shares. One
+    group writes the checkpoints, into the folder they share."""
     folder = tmp_path / "ft"
-    process = launch(folder, 10, {"MIN_REPLICAS": "2", "RESTARTS": "0"})
+    checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+    process = launch(folder, 10, {"MIN_REPLICAS": "2", "RESTARTS": "0"}, *checkpoints)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output + (folder / "replica_0.log").read_text()[-3000:]
     run_train([*ARGS, "--training.steps", "10", "--job.dump_folder", str(tmp_path / "fsdp2")], nproc=2)
@@ -110,6 +112,10 @@ def test_two_replica_groups_equal_fsdp_2(tmp_path):
         for ours, want in zip(records, reference):
             assert abs(ours["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"])
             assert abs(ours["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-10", "step-5"]
+    assert all((folder / "checkpoint" / name / "checksums.json").exists() for name in ("step-5", "step-10"))
+    logs = (folder / "replica_0.log").read_text() + (folder / "replica_1.log").read_text()
+    assert logs.count("saved checkpoint") == 2
 
 
 def test_killed_group_is_left_behind_and_heals_from_the_live_one(tmp_path):
