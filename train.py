@@ -121,7 +121,9 @@ def train(config: JobConfig) -> int:
     validator = Validator(
         config.validation, config.training, model.tokenizer, global_batch, dp_rank, dp_degree
     )
-    step_runner = StepRunner(model, dims, mesh, config, device, global_batch, accumulation_steps)
+    step_runner = StepRunner(
+        model, dims, mesh, config, device, global_batch, accumulation_steps, fault_tolerance
+    )
 
     # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
     train_state = TrainState(model=TrainState.describe(model.spec.name, model.args))
@@ -193,12 +195,10 @@ def train(config: JobConfig) -> int:
             extra = expert_balance.statistics()
             if config.metrics.log_sample_ids:
                 extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-            loss = fault_tolerance.sum_over_groups(step_runner.global_loss(step_loss))
-            metrics.log(step, loss, grad_norm.item(), lr, extra)
+            metrics.log(step, step_runner.global_loss(step_loss), grad_norm.item(), lr, extra)
         if validator.due(step, last_step):
             with metrics.paused():
-                loss = fault_tolerance.sum_over_groups(validator.evaluate(step_runner.evaluate))
-                metrics.log_validation(step, loss)
+                metrics.log_validation(step, validator.evaluate(step_runner.evaluate))
         stopping = stop_signals.requested(step)
         saving = checkpointer.due(step) or (stopping and checkpointer.enabled)
         if saving and fault_tolerance.writes_checkpoints():  # one replica group saves

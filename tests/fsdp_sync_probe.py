@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from configs import load_config
 from parallelisms import ParallelDims
+from training.fault_tolerance import FaultTolerance
 from training.model_setup import build_model
 from training.step import StepRunner
 
@@ -41,7 +42,8 @@ dist.init_process_group("gloo")
 dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
 mesh = dims.build_mesh("cpu")
 model = build_model(config, dims, mesh, torch.device("cpu"))
-runner = StepRunner(model, dims, mesh, config, torch.device("cpu"), 12, micro_batches)
+no_replica_groups = FaultTolerance(config.fault_tolerance, torch.device("cpu"), dims.dp_replicate)
+runner = StepRunner(model, dims, mesh, config, torch.device("cpu"), 12, micro_batches, no_replica_groups)
 tokens = torch.randint(0, 258, (micro_batches, 2, 17))
 runner.forward_backward([{"input": t[:, :-1], "labels": t[:, 1:]} for t in tokens])
 (part,) = model.parts

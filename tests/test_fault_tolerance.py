@@ -113,21 +113,26 @@ def launch(folder: Path, steps: int, extra: dict, *args: str) -> subprocess.Pope
 
 def test_two_replica_groups_equal_fsdp_2(tmp_path):
     """Two groups of one process each (both needed for a quorum) log the losses and grad norms of
-    one FSDP 2 run with the same global batch: the groups read its two data-parallel shares. One
-    group writes the checkpoints, into the folder they share."""
+    one FSDP 2 run with the same global batch (and its validation losses): the groups read its two
+    data-parallel shares. One group writes the checkpoints, into the folder they share."""
     folder = tmp_path / "ft"
     checkpoints = ["--checkpoint.enable", "--checkpoint.interval", "5"]
-    process = launch(folder, 10, {"MIN_REPLICAS": "2", "RESTARTS": "0"}, *checkpoints)
+    validation = ["--validation.enable", "--validation.freq", "5", "--validation.steps", "2",
+                  "--validation.dataset", "python_docs"]  # fmt: skip
+    process = launch(folder, 10, {"MIN_REPLICAS": "2", "RESTARTS": "0"}, *checkpoints, *validation)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output + (folder / "replica_0.log").read_text()[-3000:]
-    run_train([*ARGS, "--training.steps", "10", "--job.dump_folder", str(tmp_path / "fsdp2")], nproc=2)
+    reference_run = ["--training.steps", "10", *validation, "--job.dump_folder", str(tmp_path / "fsdp2")]
+    run_train([*ARGS, *reference_run], nproc=2)
     reference = read_metrics(tmp_path / "fsdp2")
     for replica in (0, 1):
         records = read_metrics(folder / f"replica_{replica}")
-        assert [r["step"] for r in records] == list(range(1, 11))
+        kinds = lambda records: [(r["step"], "val_loss" in r) for r in records]
+        assert kinds(records) == kinds(reference)
         for ours, want in zip(records, reference):
-            assert abs(ours["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"])
-            assert abs(ours["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+            for key, rel in (("loss", 1e-6), ("grad_norm", 1e-5), ("val_loss", 1e-6)):
+                if key in want:
+                    assert abs(ours[key] - want[key]) <= rel * abs(want[key]), (key, ours, want)
     assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-10", "step-5"]
     assert all((folder / "checkpoint" / name / "checksums.json").exists() for name in ("step-5", "step-10"))
     logs = (folder / "replica_0.log").read_text() + (folder / "replica_1.log").read_text()

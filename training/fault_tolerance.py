@@ -96,6 +96,7 @@ class FaultTolerance:
         timeout = timedelta(seconds=config.timeout_seconds)
         nccl = config.backend == "nccl" or (config.backend == "auto" and device.type == "cuda")
         group = (torchft.ProcessGroupNCCL if nccl else torchft.ProcessGroupGloo)(timeout=timeout)
+        self.loss_device = device if nccl else torch.device("cpu")
         self.manager = torchft.Manager(
             pg=group,
             load_state_dict=None,
@@ -122,14 +123,13 @@ class FaultTolerance:
         self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG).wait()
         tensor.mul_(self.groups)
 
-    def sum_over_groups(self, value: float) -> float:
+    def sum_over_groups(self, loss: torch.Tensor) -> float:
         """A group's share of a loss (normalized by the whole global batch) -> the global loss."""
         if not self.enabled:
-            return value
-        tensor = torch.tensor(value, dtype=torch.float64 if self.device.type == "cpu" else torch.float32,
-                              device=self.device)  # fmt: skip
-        self._sum_in_place(tensor)
-        return tensor.item()
+            return loss.item()
+        loss = loss.detach().to(self.loss_device, torch.float64 if self.loss_device.type == "cpu" else None)
+        self._sum_in_place(loss)
+        return loss.item()
 
     def record_folder(self, dump_folder: Path) -> Path:
         """Where this group's metrics.jsonl, tb/ and config.toml go (checkpoints are shared)."""

@@ -22,6 +22,7 @@ from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline import Pipeline, pipeline_microbatches
 from parallelisms.tensor_parallel import loss_parallel_context
 from training import distributed
+from training.fault_tolerance import FaultTolerance
 from training.loss import TokenNormalizedLoss
 from training.model_setup import BuiltModel
 
@@ -36,9 +37,11 @@ class StepRunner:
         device: torch.device,
         global_batch: int,
         accumulation_steps: int,
+        fault_tolerance: FaultTolerance,
     ):
         self.parts: list[nn.Module] = model.parts
         self.device = device
+        self.fault_tolerance = fault_tolerance
         self.positions = None  # a context-parallel rank keeps these positions of each sequence
         if dims.cp_enabled:
             self.positions = local_positions(config.training.seq_len, mesh["cp"].get_local_rank(), dims.cp)
@@ -83,7 +86,7 @@ class StepRunner:
         total = local_loss.clone()
         for group in self.loss_groups:
             total = distributed.all_reduce_sum(total, group)
-        return total.item()
+        return self.fault_tolerance.sum_over_groups(total)  # and over torchft's replica groups
 
     def _run(self, micro_batches: list[dict], train: bool) -> torch.Tensor:
         if self.positions is not None:
