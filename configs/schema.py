@@ -304,8 +304,9 @@ class ActivationCheckpoint(Section):
 @dataclass
 class Float8(Section):
     enable: bool = False
-    """Float8 matmuls for the Linear layers (torchao; on CUDA needs compute capability 8.9+).
-    Not combined with tensor parallelism."""
+    """Float8 matmuls for the Linear layers (torchao; on CUDA needs compute capability 8.9+). With
+    tensor parallelism the weights are sharded and the activations gathered in bf16, and the float8
+    scales are those of the whole tensors (docs/performance.md, float8 with tensor parallelism)."""
 
     recipe_name: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao scaling recipe: one scale per tensor (fastest), or per row (more accurate)."""

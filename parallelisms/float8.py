@@ -16,8 +16,6 @@ def check_float8(config: Float8, device: torch.device, tp_enabled: bool, fsdp_en
         import torchao.float8  # noqa: F401
     except ImportError:
         raise UserError("float8.enable needs torchao (pip install torchao)") from None
-    if tp_enabled:
-        raise UserError("float8 with tensor parallelism is not supported here; use FSDP (and PP/CP)")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise UserError(f"float8 needs a GPU of compute capability 8.9 or newer; {name} is not")

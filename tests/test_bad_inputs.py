@@ -167,8 +167,6 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                                       "2", "--activation_checkpoint.mode", "selective"], "context parallelism with activation_checkpoint"),
         ("EP on a dense model", ["--job.dry_run", "--job.dry_run_world_size", "2",
                                  "--parallelism.expert_parallel_degree", "2"], "needs a model with Mixture-of-Experts"),
-        ("float8 x TP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
-                         "2", "--float8.enable"], "float8 with tensor parallelism is not supported"),
         ("no data path", ["--training.dataset", "text"], "training.dataset_path is required"),
         ("missing data", ["--training.dataset", "text", "--training.dataset_path", str(root / "nowhere/*.jsonl")],
          "names no .txt, .jsonl or .parquet files"),

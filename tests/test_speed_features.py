@@ -114,15 +114,16 @@ def test_float8_tracks_full_precision_over_300_steps(tmp_path):
     assert sum(fp8[-50:]) / 50 == pytest.approx(sum(full[-50:]) / 50, rel=0.01)
 
 
-def test_float8_with_fsdp_float8_all_gather(tmp_path, model="llama3"):
-    single, sharded = tmp_path / "single", tmp_path / "fsdp2"
+def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, model="llama3"):
+    """float8 under FSDP 2 x TP 2 with FSDP's float8 all-gather and precomputed scales tracks the
+    single process's float8 run (TP shards the weights; the scales are the whole tensors')."""
+    single, sharded = tmp_path / "single", tmp_path / "fsdp2_tp2"
     float8 = ["--float8.enable", "--float8.enable_fsdp_float8_all_gather",
               "--float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
     common = [*COMMON, "--model.name", model]
     run_train([*common, *SINGLE, "--float8.enable", "--job.dump_folder", str(single)])
-    run_train(
-        [*common, "--training.local_batch_size", "4", *float8, "--job.dump_folder", str(sharded)], nproc=2
-    )
+    layout = ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]
+    run_train([*common, *layout, *float8, "--job.dump_folder", str(sharded)], nproc=4)
     assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-4)
 
 
