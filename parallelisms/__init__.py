@@ -19,7 +19,7 @@ from torch import nn
 from configs.schema import JobConfig
 from models.spec import ModelSpec
 from parallelisms.activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
-from parallelisms.compile import apply_compile, check_compile
+from parallelisms.compile import apply_compile, check_compile, compile_inside_checkpointing
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.float8 import apply_float8, check_float8
@@ -47,7 +47,9 @@ def parallelize(
     3. expert parallel: MoE layers' experts are sharded over "ep", their tokens sent by all-to-all
     4. context parallel: causal attention kernels become all-gather-KV ones over "cp"
     5. activation checkpointing: blocks are wrapped to recompute activations in backward
-    6. torch.compile per block: it sees the sharded, wrapped block it will run
+    6. torch.compile per block: it sees the sharded, wrapped block it will run (with tensor
+       parallelism and whole-block checkpointing it is compiled before 5 and wrapped by it:
+       parallelisms/compile.py says why)
     7. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
        context-parallel) ranks, 2-D DTensors when tensor parallel came first; experts apart, over
        the ranks expert parallelism leaves
@@ -64,11 +66,14 @@ def parallelize(
         apply_expert_parallel(model, mesh["expert_tp"], mesh["ep"])
     if dims.cp_enabled:
         apply_context_parallel(model, mesh["cp"])
+    # Context-parallel attention's collectives and expert parallelism's split sizes (read on the
+    # host) break the graph; elsewhere one graph per block.
+    fullgraph = not (dims.cp_enabled or dims.ep_enabled)
+    if compile_inside_checkpointing(config, dims.tp_enabled):
+        apply_compile(model, fullgraph)
     apply_activation_checkpointing(model, config.activation_checkpoint)
-    if config.compile.enable:
-        # Context-parallel attention's collectives and expert parallelism's split sizes (read on the
-        # host) break the graph; elsewhere one graph per block.
-        apply_compile(model, fullgraph=not (dims.cp_enabled or dims.ep_enabled))
+    if config.compile.enable and not compile_inside_checkpointing(config, dims.tp_enabled):
+        apply_compile(model, fullgraph)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,

@@ -151,9 +151,10 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
 
         ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
                            "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),
-        ("compile x TP x AC", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
-                               "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
-         "compile with activation checkpointing and tensor parallelism fails"),
+        ("compile x TP x AC by op", ["--job.dry_run", "--job.dry_run_world_size", "2",
+                                     "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                                     "--activation_checkpoint.mode", "selective"],
+         "compile with tensor parallelism and activation checkpointing by op"),
         ("tied weights x PP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.pipeline_parallel_degree",
                                "2", "--model.args", "tie_embeddings=true"], "are one tied parameter but fall on different"),
         ("EP vs ranks", ["--job.dry_run", "--job.dry_run_world_size", "2", "--model.name", "qwen3_moe",
