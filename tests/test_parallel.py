@@ -80,11 +80,11 @@ QWEN3_LAYOUTS = ["tp2"]  # its own TP plan (QK-norm); pipeline ends and attentio
 # Mixture of Experts (qwen3_moe tiny) with DeepSeek-V3-style routing (sigmoid scores, expert groups,
 # a shared expert, bias balancing, a balance loss): expert parallelism alone and with each other
 # parallelism. Under CP without the balance loss: it is computed per sequence, and a CP rank's
-# chunks stand for the sequence (docs/moe.md). EP without expert FSDP is in ep2_tp2 and cp2_ep2.
+# chunks stand for the sequence (docs/moe.md). EP without expert FSDP is in ep2_tp2 and cp2_ep2; EP 4
+# in tests/test_checkpoint.py (saved at EP 4, continued at EP 2 and in one process).
 ROUTING = "score_func=sigmoid,n_expert_groups=4,topk_groups=2,shared_hidden_dim=32,bias_update_rate=0.01"
 EP = "--parallelism.expert_parallel_degree"
 MOE_LAYOUTS = {
-    "ep4": (4, f"{EP} 4 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
     "ep2_fsdp2": (4, f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
     "ep2_tp2": (4, f"{EP} 2 {TP2} --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
     "pp2_ep2": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
