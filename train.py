@@ -201,12 +201,13 @@ def train(config: JobConfig) -> int:
                 metrics.log_validation(step, validator.evaluate(step_runner.evaluate))
         stopping = stop_signals.requested(step)
         saving = checkpointer.due(step) or (stopping and checkpointer.enabled)
-        if saving and fault_tolerance.writes_checkpoints():  # one replica group saves
+        saving = saving and fault_tolerance.writes_checkpoints()  # one replica group saves
+        if saving:
             nonfinite_guard.check()  # an update held back by a non-finite step is never saved
             with metrics.paused():
                 checkpointer.save(step, blocking=stopping)
         if stopping:
-            saved = f"saved {checkpointer.path(step)}" if checkpointer.enabled else "checkpointing is off"
+            saved = f"saved {checkpointer.path(step)}" if saving else "no checkpoint saved"
             logger.info(f"stopped by {stop_signals.name} after step {step}: {saved}")
             break
 
