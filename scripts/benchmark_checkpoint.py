@@ -6,9 +6,9 @@ that run while a background save writes. Prints one JSON line.
 
 Trains --steps steps saving every --interval steps into a fresh folder under --folder (the last
 step's save is model-only, to keep the run short), then resumes from the last full checkpoint and
-trains to the same step. Times are train.py's own log lines (rank 0): a synchronous save's total,
-write and checksum seconds and its size; an async save's blocking time (staging, and the next
-optimizer step's wait for the host copy); the resume's check and load seconds. `step_tps` is each
+trains to the same step. Times are train.py's own log lines (rank 0): a synchronous save's total
+and checksum seconds and its size; an async save's blocking time (staging, and the next optimizer
+step's wait for the host copy); the resume's check and load seconds. `step_tps` is each
 step's tok/s, so the steps after a save show what the background write costs; `resumed_loss` is
 the loss of the first resumed step in the uninterrupted run and after the resume (equal if the
 save was exact).
@@ -86,15 +86,14 @@ def main() -> int:
         if args.dd:
             result.update(dd(folder, args.dd_gib))
         log, wall = train(args, str(folder), args.overrides)
-        sync = r"saved checkpoint \S+ in ([\d.]+) s \(([\d.]+) GB written in ([\d.]+) s, "
-        sync += r"checksums ([\d.]+) s\)"
-        saves = re.findall(sync, log)
-        result["sync_save_s"] = [float(s[0]) for s in saves]
-        result["sync_write_s"] = [float(s[2]) for s in saves]
-        result["checksum_s"] = [float(s[3]) for s in saves]
+        sync = r"saved checkpoint \S+ in ([\d.]+) s \(([\d.]+) GB; checksums ([\d.]+) s of it\)"
+        saves = [tuple(map(float, save)) for save in re.findall(sync, log)]
+        result["sync_save_s"] = [total for total, _, _ in saves]
+        result["checksum_s"] = [checksums for _, _, checksums in saves]
         if saves and args.async_mode == "disabled":  # the first: a full save
-            result["checkpoint_gb"] = float(saves[0][1])
-            result["write_gb_s"] = round(float(saves[0][1]) / float(saves[0][2]), 2)
+            total, size, checksums = saves[0]
+            result["checkpoint_gb"] = size
+            result["write_gb_s"] = round(size / max(total - checksums, 0.05), 2)
         background = r"saved checkpoint \S+ \(committed ([\d.]+) s after it began\)"
         result["async_total_s"] = [float(s) for s in re.findall(background, log)]
         blocked = r"in the background \(training blocked ([\d.]+) s\)"
