@@ -78,7 +78,7 @@ class Checkpointer:
         self.stager = None  # host copies of the state, refilled by every async save
         if config.enable and config.async_mode != "disabled":
             pinned = config.async_mode == "async_with_pinned_mem"
-            self.stager = Stager(pinned, optimizers.parts, lambda: self._state())
+            self.stager = Stager(pinned, optimizers.parts, self._state)
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None

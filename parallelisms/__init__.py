@@ -69,10 +69,11 @@ def parallelize(
     # Context-parallel attention's collectives and expert parallelism's split sizes (read on the
     # host) break the graph; elsewhere one graph per block.
     fullgraph = not (dims.cp_enabled or dims.ep_enabled)
-    if compile_inside_checkpointing(config, dims.tp_enabled):
+    compile_first = compile_inside_checkpointing(config, dims.tp_enabled)
+    if compile_first:
         apply_compile(model, fullgraph)
     apply_activation_checkpointing(model, config.activation_checkpoint)
-    if config.compile.enable and not compile_inside_checkpointing(config, dims.tp_enabled):
+    if config.compile.enable and not compile_first:
         apply_compile(model, fullgraph)
     if dims.fsdp_enabled:
         apply_fsdp(
