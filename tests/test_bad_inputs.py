@@ -148,6 +148,10 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                         "2"], "fault_tolerance.replica_id must be in 0 .. group_size - 1"),
         ("no lighthouse", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"],
          "fault_tolerance needs the lighthouse's address"),
+        ("min replicas", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                          "--fault_tolerance.min_replica_size", "3"], "fault_tolerance.min_replica_size must be in 1 .. group_size"),
+        ("FT without torchrun", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                 "--fault_tolerance.lighthouse", "http://localhost:1"], "fault_tolerance needs torchrun"),
 
         ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
                            "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),
