@@ -76,6 +76,11 @@ class Model(Section):
     """Folder holding a Hugging Face tokenizer.json (and tokenizer_config.json). Empty: the built-in
     byte-level tokenizer (256 bytes + BOS + EOS)."""
 
+    attention_mask: Literal["causal", "document"] = "causal"
+    """causal: every token attends to all earlier tokens of its packed window. document: only to
+    earlier tokens of its own document (documents end at the tokenizer's EOS, which the packer
+    writes after each one); flex attention on CUDA, a boolean SDPA mask on CPU."""
+
 
 @dataclass
 class Training(Section):

@@ -1,17 +1,87 @@
-"""Attention kernels shared by the model families (plain PyTorch, no distributed code)."""
+"""Attention kernels shared by the model families (plain PyTorch, no distributed code).
+
+Causal attention by default. With document masking (`[model] attention_mask = "document"`) a token
+attends only to earlier tokens of its own document in the packed window: the training step finds
+the documents from the EOS tokens the packer writes (`document_ids`), builds one mask per
+micro-batch (`document_mask`) and the model hands it, untouched, to every attention kernel. On CUDA
+the mask is a flex-attention BlockMask (fully masked tiles are skipped, so short documents cost
+less than causal attention); elsewhere it is a boolean tensor for SDPA (flex attention has no CPU
+backward).
+"""
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+AttentionMask = BlockMask | torch.Tensor
+"""What `document_mask` builds and the kernels take; None means plain causal attention."""
 
 
 class CausalAttentionKernel(nn.Module):
-    """softmax(QK^T/sqrt(d)) V with a causal mask, through SDPA.
+    """softmax(QK^T/sqrt(d)) V with a causal mask, through SDPA, or with a document mask.
 
     A module of its own so that parallelisms can swap it: context parallelism replaces every
     instance with its all-gather-KV version (parallelisms/context_parallel.py).
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         # q: (batch, heads, seq, head_dim); k, v may have fewer heads (GQA).
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """Attention of q against k, v under a mask from `document_mask` (queries may be fewer)."""
+    if isinstance(mask, BlockMask):
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # Uncompiled, flex attention materializes the whole score matrix; compiled, it is one fused
+    # kernel. Inside a compiled block this is simply inlined.
+    return torch.compile(flex_attention)
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(batch, seq) tokens -> (batch, seq) document index of every position: the number of EOS
+    tokens before it (an EOS ends its own document; the window's first, partial document is 0)."""
+    is_eos = (tokens == eos_id).to(torch.int32)
+    return is_eos.cumsum(dim=1, dtype=torch.int32) - is_eos
+
+
+def document_mask(documents: torch.Tensor, query_positions: torch.Tensor | None = None) -> AttentionMask:
+    """The mask of causal attention within documents, for the device of `documents`.
+
+    documents: (batch, seq) from `document_ids`, for the whole sequence (the keys).
+    query_positions: (queries,) the sequence positions of the queries, in their order (default all
+    of them; a context-parallel rank holds only some chunks of each sequence).
+    """
+    batch, seq = documents.shape
+    queries = torch.arange(seq, device=documents.device) if query_positions is None else query_positions
+    queries = queries.to(documents.device)
+    if documents.device.type != "cuda":
+        keys = torch.arange(seq, device=documents.device)
+        causal = keys[None, :] <= queries[:, None]
+        same_document = documents[:, queries, None] == documents[:, None, :]
+        return (causal & same_document).unsqueeze(1)  # (batch, 1 = every head, queries, keys)
+
+    def within_document(b, h, q_index, kv_index):
+        position = queries[q_index]
+        return (kv_index <= position) & (documents[b, position] == documents[b, kv_index])
+
+    build = _compiled_create_block_mask()
+    return build(within_document, batch, None, len(queries), seq, device=documents.device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    # Compiled, the mask is evaluated tile by tile instead of as a (queries x keys) boolean tensor.
+    return torch.compile(create_block_mask)

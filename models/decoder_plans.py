@@ -39,7 +39,8 @@ def root_plan(loss_parallel: bool) -> dict[str, ParallelStyle]:
 def block_plan() -> dict[str, ParallelStyle]:
     return {
         "attention_norm": SequenceParallel(),
-        # (x, cos, sin): gather x over the sequence; the RoPE tables are plain tensors.
+        # (x, cos, sin): gather x over the sequence; the RoPE tables are plain tensors (and the
+        # attention mask, a keyword argument, is left alone).
         "attention": PrepareModuleInput(
             input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
         ),

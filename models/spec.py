@@ -37,10 +37,14 @@ class TrainableModel(Protocol):
     torch.compile wrap each one, pipeline stages keep some of them by key, so parameter names
     (`layers.7.attention.wq.weight`) are the same on every layout."""
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, attention_mask: Any = None
+    ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab). A pipeline stage sets the head or tail
         modules it does not hold to None: without the head, forward takes hidden states instead
-        of tokens; without the tail it returns hidden states."""
+        of tokens; without the tail it returns hidden states. attention_mask (None = causal) goes,
+        untouched, to every models.attention.CausalAttentionKernel: that is how document masking
+        (`model.attention_mask = "document"`) and context parallelism reach a model."""
         ...
 
     def init_weights(self) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from configs import UserError
-from models.attention import CausalAttentionKernel
+from models.attention import AttentionMask, CausalAttentionKernel, masked_attention
 
 
 def local_positions(seq_len: int, cp_rank: int, cp_degree: int) -> torch.Tensor:
@@ -72,8 +72,13 @@ class ContextParallelAttention(nn.Module):
         ordered += [halves[2 * self.degree - 1 - c, :, :, 1] for c in range(self.degree, 2 * self.degree)]
         return torch.cat(ordered, dim=2)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attend_local_chunks(q, self._full_sequence(k), self._full_sequence(v), self.rank, self.degree)
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
+        keys, values = self._full_sequence(k), self._full_sequence(v)
+        if mask is not None:  # a document mask, built for this rank's query positions
+            return masked_attention(q, keys, values, mask)
+        return attend_local_chunks(q, keys, values, self.rank, self.degree)
 
 
 def attend_local_chunks(

@@ -250,19 +250,22 @@ class Pipeline:
             else {}
         )
 
-    def step(self, micro_batches: list[dict], train: bool = True) -> torch.Tensor:
+    def step(self, micro_batches: list[dict], attention_mask=None, train: bool = True) -> torch.Tensor:
         """Forward (and with train, backward) of all micro-batches; the summed loss on the last
-        stage, else 0."""
+        stage, else 0. attention_mask: of all micro-batches' sequences (None: causal); the schedule
+        cuts it into micro-batches like the inputs and gives each stage its part."""
         inputs = torch.cat([b["input"] for b in micro_batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
         losses: list[torch.Tensor] = []
-        target = {"target": labels, "losses": losses} if self.has_last else {}
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
         run = self.schedule.step if train else self.schedule.eval
         options = self.step_options if train else {}
         if self.has_first:
-            run(inputs, **target, **options)
+            run(inputs, **kwargs, **options)
         else:
-            run(**target, **options)
+            run(**kwargs, **options)
         if train:
             self.shape_inference.take_back(self.n_microbatches)
         if self.has_last:

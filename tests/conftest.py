@@ -13,6 +13,8 @@ sys.path.insert(0, str(REPO))
 
 # Small, fast settings for end-to-end runs on CPU (fp32, one thread per rank): tests/tiny.toml.
 TINY = ["--config", str(REPO / "tests" / "tiny.toml")]
+# Documents of 1-5 words (~20 tokens): several per window of tests/tiny.toml, for document masking.
+SHORT_DOCUMENTS = str(REPO / "tests" / "short_documents.jsonl")
 
 
 def _env(threads: int | None) -> dict[str, str]:

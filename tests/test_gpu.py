@@ -17,7 +17,10 @@ import os
 
 import pytest
 import torch
-from conftest import read_metrics, run_train
+from conftest import SHORT_DOCUMENTS, read_metrics, run_train
+
+from models.attention import document_ids, document_mask, masked_attention
+from parallelisms.context_parallel import local_positions
 
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -124,6 +127,51 @@ def test_bf16_layout_matches_one_gpu(name, single, tmp_path):
     found = differences(read_metrics(tmp_path), single(BF16, reference_extra))
     record(name, nproc, found)
     assert found["loss"] < BF16_BAR, found
+
+
+DOCUMENTS = ("--model.attention_mask", "document", "--training.dataset", "text",
+             "--training.dataset_path", SHORT_DOCUMENTS)  # fmt: skip
+DOCUMENT_LAYOUTS = {
+    "cp2_document": (2, ["--training.local_batch_size", "8", *CP2]),
+    "pp2_document": (2, ["--training.local_batch_size", "8", *PP2]),  # the BlockMask cut in micro-batches
+    "fsdp2_compile_document": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=gpus(g[0]), id=n) for n, g in DOCUMENT_LAYOUTS.items()]
+)
+def test_document_masking_layout_matches_one_gpu(name, single, tmp_path):
+    """Flex attention under a BlockMask, on short documents (~12 per window of 256)."""
+    nproc, overrides = DOCUMENT_LAYOUTS[name]
+    run_train([*COMMON, *FP32, *DOCUMENTS, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    found = differences(read_metrics(tmp_path), single(FP32, DOCUMENTS))
+    record(name, nproc, found)
+    assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
+
+
+@gpus(1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_document_mask_equals_the_boolean_mask(dtype):
+    """The CUDA path (a BlockMask for flex attention) against SDPA with the CPU path's boolean mask,
+    for whole sequences and for a context-parallel rank's chunks; outputs and gradients."""
+    torch.manual_seed(0)
+    seq, eos = 1024, 7
+    tokens = torch.randint(0, 64, (2, seq), device="cuda")  # EOS 1 in 64: documents of ~64 tokens
+    documents = document_ids(tokens, eos)
+    q = torch.randn(2, 8, seq, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, seq, 64, device="cuda", dtype=dtype) for _ in range(2))
+    for queries in (None, local_positions(seq, 1, 4).cuda()):
+        query = q if queries is None else q[:, :, queries]
+        outputs = []
+        for mask in (document_mask(documents, queries), document_mask(documents.cpu(), queries).cuda()):
+            leaves = [t.detach().requires_grad_() for t in (query, k, v)]
+            out = masked_attention(*leaves, mask)
+            out.float().square().sum().backward()
+            outputs.append([out, *(t.grad for t in leaves)])
+        tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        for flex, boolean in zip(*outputs):
+            torch.testing.assert_close(flex, boolean, **tolerance)
 
 
 @gpus(2)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, TINY, read_metrics, run_train
+from conftest import REPO, SHORT_DOCUMENTS, TINY, read_metrics, run_train
 
 from configs import UserError, load_config
 from parallelisms.parallel_dims import ParallelDims
@@ -25,6 +25,9 @@ STEPS = 10
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 
 TP2 = "--parallelism.tensor_parallel_degree 2"
+DOCUMENTS = (
+    f"--model.attention_mask document --training.dataset text --training.dataset_path {SHORT_DOCUMENTS}"
+)
 LAYOUTS = {
     # name: (processes, overrides); global batch 8 = local batch x data-parallel degree x accumulation.
     # FSDP 4 and HSDP 2 x 2 are checked against the same reference by tests/test_checkpoint.py's
@@ -62,8 +65,10 @@ LAYOUTS |= {
     "cp2": (2, f"{CP} 2 --training.local_batch_size 8"),
     # Two at a time (PP 2 x CP 2 x TP 2 on 8 processes ran here until fault tolerance's tests needed
     # its time); FSDP over CP ranks is in tests/test_speed_features.py's PP 2 x CP 2 compiled run.
-    "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8"),
-    "pp2_tp2": (4, f"{PP} 2 {TP2} --training.local_batch_size 8"),
+    # Both with document masking on short documents (several per window): the mask reaches every
+    # pipeline stage, is cut into micro-batches, and covers a CP rank's chunks against all keys.
+    "cp2_tp2_document": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 {DOCUMENTS}"),
+    "pp2_tp2_document": (4, f"{PP} 2 {TP2} --training.local_batch_size 8 {DOCUMENTS}"),
     # Accumulation (local 2 x 4 steps) becomes 4 pipeline micro-batches of 2, in one schedule run.
     "pp2_accumulate4": (
         2,
@@ -94,17 +99,28 @@ CASES = (
 )
 
 
+SHARED_WITH_REFERENCE = (
+    "--model.args",
+    "--model.attention_mask",
+    "--training.dataset",
+    "--training.dataset_path",
+)
+
+
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process runs (local batch 8), one per model and --model.args, made on first use."""
+    """Single-process runs (local batch 8), one per model, model options and data, made on first use."""
     made = {}
 
     def reference(model: str, overrides: list[str]) -> list[dict]:
-        model_args = overrides[overrides.index("--model.args") :][:2] if "--model.args" in overrides else []
-        key = " ".join([model, *model_args])
+        same = []  # the overrides that the single process shares: model and data
+        for name in SHARED_WITH_REFERENCE:
+            if name in overrides:
+                same += overrides[overrides.index(name) :][:2]
+        key = " ".join([model, *same])
         if key not in made:
             folder = tmp_path_factory.mktemp("single")
-            single = ["--model.name", model, *model_args, "--training.local_batch_size", "8"]
+            single = ["--model.name", model, *same, "--training.local_batch_size", "8"]
             run_train([*COMMON, *single, "--job.dump_folder", str(folder)])
             made[key] = read_metrics(folder)
             assert len(made[key]) == STEPS

@@ -7,12 +7,14 @@ kernels round differently; checkpointing exactly: it recomputes the same ops).
 import os
 
 import pytest
-from conftest import TINY, read_metrics, run_train
+from conftest import SHORT_DOCUMENTS, TINY, read_metrics, run_train
 
 STEPS = 10
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 SINGLE = ["--training.local_batch_size", "8"]
 COMPILE = ["--compile.enable"]
+DOCUMENTS = ["--model.attention_mask", "document", "--training.dataset", "text",
+             "--training.dataset_path", SHORT_DOCUMENTS]  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,15 +31,16 @@ def inductor_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eager_runs(tmp_path_factory):
-    """Plain single-process runs, one per model, made on first use."""
+    """Plain single-process runs, one per model and data/masking (`DOCUMENTS`), made on first use."""
     made = {}
 
-    def eager(model: str = "llama3") -> list[dict]:
-        if model not in made:
+    def eager(model: str = "llama3", documents: bool = False) -> list[dict]:
+        if (model, documents) not in made:
             folder = tmp_path_factory.mktemp(f"eager_{model}")
-            run_train([*COMMON, *SINGLE, "--model.name", model, "--job.dump_folder", str(folder)])
-            made[model] = read_metrics(folder)
-        return made[model]
+            extra = DOCUMENTS if documents else []
+            run_train([*COMMON, *SINGLE, *extra, "--model.name", model, "--job.dump_folder", str(folder)])
+            made[model, documents] = read_metrics(folder)
+        return made[model, documents]
 
     return eager
 
@@ -65,16 +68,16 @@ PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context
         # checkpoint wrapper around them (parallelisms/compile.py, compile_inside_checkpointing)
         (2, [*SINGLE, *TP2, "--activation_checkpoint.mode", "selective",
              "--activation_checkpoint.selective_ac_option", "2"]),
-        # CP blocks break the graph at the all-gather
-        (4, [*SINGLE, *PP2_CP2, "--activation_checkpoint.mode", "full"]),
+        # CP blocks break the graph at the all-gather; with document masking
+        (4, [*SINGLE, *PP2_CP2, "--activation_checkpoint.mode", "full", *DOCUMENTS]),
         # one process: checkpointing by op (not with CP or EP: parallelisms/activation_checkpoint.py)
         (None, [*SINGLE, "--activation_checkpoint.mode", "selective"]),  # selective_ac_option "op"
     ],
-    ids=["tp2-ac", "pp2-cp2-ac", "op-ac"],
+    ids=["tp2-ac", "pp2-cp2-ac-document", "op-ac"],
 )  # fmt: skip
-def test_compile_matches_eager_without_recompiles(nproc, overrides, eager, tmp_path):
+def test_compile_matches_eager_without_recompiles(nproc, overrides, eager_runs, tmp_path):
     result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
-    assert_same_losses(read_metrics(tmp_path), eager, rel=1e-5)
+    assert_same_losses(read_metrics(tmp_path), eager_runs(documents="document" in overrides), rel=1e-5)
     assert "torch.compile: 0 frames compiled after step 2" in result.stdout
 
 

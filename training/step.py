@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from configs.schema import JobConfig
+from models.attention import document_ids, document_mask
 from models.moe import set_sequences_per_step
 from parallelisms import ParallelDims
 from parallelisms.compile import RecompileWatch
@@ -66,6 +67,8 @@ class StepRunner:
         if dims.pp_enabled:
             self.loss_groups.append(mesh["pp"].get_group())
         self.recompiles = RecompileWatch(config.compile.enable)
+        # Document masking: the EOS tokens in each window end its documents.
+        self.eos_id = model.tokenizer.eos_id if config.model.attention_mask == "document" else None
         for part in self.parts:  # MoE balance losses: the mean over the step's sequences, any layout
             set_sequences_per_step(part, global_batch * dims.cp)
 
@@ -88,19 +91,30 @@ class StepRunner:
             total = distributed.all_reduce_sum(total, group)
         return self.fault_tolerance.sum_over_groups(total)  # and over torchft's replica groups
 
+    def _attention_mask(self, inputs: torch.Tensor):
+        """None (causal), or the document mask of these whole sequences for this rank's queries."""
+        if self.eos_id is None:
+            return None
+        documents = document_ids(inputs.to(self.device, non_blocking=True), self.eos_id)
+        return document_mask(documents, self.positions)
+
     def _run(self, micro_batches: list[dict], train: bool) -> torch.Tensor:
+        if self.pipeline is not None:  # one mask for all micro-batches: the schedule splits it
+            masks = [self._attention_mask(torch.cat([batch["input"] for batch in micro_batches]))]
+        else:
+            masks = [self._attention_mask(batch["input"]) for batch in micro_batches]
         if self.positions is not None:
             micro_batches = [shard_sequences(batch, self.positions) for batch in micro_batches]
         autocast = torch.autocast("cuda", torch.bfloat16) if self.bf16_autocast else contextlib.nullcontext()
         with loss_parallel_context(self.loss_parallel), autocast:
             if self.pipeline is not None:
                 # The schedule runs all of the step's micro-batches at once: one gradient reduction.
-                return self.pipeline.step(micro_batches, train)
+                return self.pipeline.step(micro_batches, masks[0], train)
             (model,) = self.parts
             step_loss = torch.zeros((), device=self.device)
-            for index, batch in enumerate(micro_batches):
+            for index, (batch, mask) in enumerate(zip(micro_batches, masks)):
                 set_gradient_sync(model, index == len(micro_batches) - 1)
-                logits = model(batch["input"].to(self.device, non_blocking=True))
+                logits = model(batch["input"].to(self.device, non_blocking=True), attention_mask=mask)
                 loss = self.loss_fn(logits, batch["labels"].to(self.device, non_blocking=True))
                 del logits
                 if train:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention import CausalAttentionKernel
+from models.attention import AttentionMask, CausalAttentionKernel
 
 
 @dataclass
@@ -95,7 +95,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.kernel = CausalAttentionKernel()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = cos[:seq], sin[:seq]  # tables may be longer than this sequence
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -103,7 +105,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -140,8 +142,10 @@ class TransformerBlock(nn.Module):
         # Depth-scaled init of the projections that write into the residual stream.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -166,12 +170,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, head_dim // 2), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab).
 
         positions: (seq,) rows of the RoPE tables to use (default: the first seq rows, each
-        attention taking those it needs). A pipeline stage that lacks the embedding, final norm or
-        output (set to None) takes or returns hidden states instead.
+        attention taking those it needs). attention_mask: None for causal attention, or the
+        document mask of these sequences (models/attention.py), passed to every attention kernel.
+        A pipeline stage that lacks the embedding, final norm or output (set to None) takes or
+        returns hidden states instead.
         """
         if positions is None:
             cos, sin = self.rope_cos, self.rope_sin
@@ -179,7 +190,7 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.attention import CausalAttentionKernel
+from models.attention import AttentionMask, CausalAttentionKernel
 from models.moe import MoE, MoEArgs
 
 
@@ -81,7 +81,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.kernel = CausalAttentionKernel()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = cos[:seq], sin[:seq]
         # -1 heads: under tensor parallelism each rank holds a slice of the heads.
@@ -89,7 +91,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.wk(x).view(batch, seq, -1, self.head_dim))
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
-        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, out_std: float) -> None:
@@ -110,8 +112,10 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args.dim, args.moe(), out_init_std=out_std)
         self.out_std = out_std
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.moe(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -134,7 +138,12 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
         """tokens (batch, seq) -> logits (batch, seq, vocab); see models/llama3/model.py for the
         meaning of positions and of missing embedding/norm/output (pipeline stages)."""
         if positions is None:
@@ -143,7 +152,7 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, attention_mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
