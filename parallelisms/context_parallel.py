@@ -5,22 +5,24 @@ r and 2 x cp - 1 - r, so every rank has the same amount of attention work (an ea
 to few keys, its partner late chunk to many). Inputs, labels and RoPE positions follow the split;
 the loss is summed over the cp ranks like over data-parallel ranks.
 
-Attention: each rank all-gathers K and V (small under GQA) from the cp group, rebuilds them in
-sequence order and computes exact causal attention for its two query chunks, each against the
-keys up to its own end (a lower-right causal mask, which SDPA runs with its flash or
-memory-efficient kernels on CUDA and with an explicit mask on CPU). In backward, the K/V gradients
-are reduce-scattered back to their owners. Works on gloo (CPU) and NCCL (CUDA) alike.
+Attention: each rank all-gathers K and V (small under GQA) from the cp group into sequence order.
+Each of its two query chunks attends to its own chunk's keys with the plain causal mask (local:
+computed while K/V are gathered) and to all keys before the chunk without a mask; the two parts are
+merged by log-sum-exp (parallelisms/attention_parts.py), so every part runs on the kernel of plain
+causal attention (cuDNN on the H200) instead of a lower-right-masked one. In backward, the gathered
+keys' gradients are computed first and reduce-scattered to their owners while the local parts'
+gradients are computed. With a document mask (models/attention.py) a rank's queries attend to the
+gathered keys under the mask built for their positions. Works on gloo (CPU) and NCCL (CUDA) alike.
 """
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from configs import UserError
 from models.attention import AttentionMask, CausalAttentionKernel, masked_attention
+from parallelisms.attention_parts import merge, part_backward, part_forward
 
 
 def local_positions(seq_len: int, cp_rank: int, cp_degree: int) -> torch.Tensor:
@@ -37,67 +39,174 @@ def shard_sequences(batch: dict, positions: torch.Tensor) -> dict:
 
 
 class _GatherChunks(torch.autograd.Function):
-    """All-gather along a new leading dimension; backward reduce-scatters the gradient."""
+    """K/V of the whole sequences (gathered, in sequence order); backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # ranks concatenated along dim 0
-        dist.all_gather_into_tensor(out, x, group=group)
-        return out.unflatten(0, (size, -1))
+    def forward(ctx, kv: torch.Tensor, exchange: "KVExchange") -> torch.Tensor:
+        ctx.exchange = exchange
+        return exchange.finish_gather(exchange.start_gather(kv))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(
-            out, grad.flatten(0, 1).contiguous(), op=dist.ReduceOp.SUM, group=ctx.group
+        return ctx.exchange.finish_scatter(ctx.exchange.start_scatter(grad)), None
+
+
+def sequence_order(by_rank: torch.Tensor) -> torch.Tensor:
+    """(cp, 2, batch, kv_heads, 2 x chunk, dim) as gathered, rank j holding chunks j and 2cp-1-j
+    -> (2, batch, kv_heads, seq, dim) in sequence order."""
+    halves = by_rank.unflatten(-2, (2, -1))
+    chunks = torch.cat([halves[:, :, :, :, 0], halves[:, :, :, :, 1].flip(0)])
+    return chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+
+
+def rank_order(sequence: torch.Tensor, degree: int) -> torch.Tensor:
+    """The inverse of sequence_order."""
+    chunks = sequence.unflatten(3, (2 * degree, -1)).permute(3, 0, 1, 2, 4, 5)
+    return torch.stack([chunks[:degree], chunks[degree:].flip(0)], dim=4).flatten(4, 5)
+
+
+class KVExchange:
+    """The cp group's collectives for attention, started and finished apart so that computation
+    runs in between: every rank's K/V gathered into sequence order, and their gradients
+    reduce-scattered back to their owners."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, degree: int):
+        self.group, self.rank, self.degree = group, rank, degree
+
+    def start_gather(self, kv: torch.Tensor):
+        """kv: (2, batch, kv_heads, 2 x chunk, dim), this rank's K and V."""
+        # Ranks concatenated along dimension 0 (gloo wants no new dimension).
+        gathered = kv.new_empty((self.degree * kv.shape[0], *kv.shape[1:]))
+        work = dist.all_gather_into_tensor(gathered, kv.contiguous(), group=self.group, async_op=True)
+        return gathered.unflatten(0, (self.degree, -1)), work
+
+    def finish_gather(self, pending) -> torch.Tensor:
+        """-> (2, batch, kv_heads, seq, dim): K and V of the whole sequences."""
+        gathered, work = pending
+        work.wait()
+        return sequence_order(gathered)
+
+    def start_scatter(self, grad: torch.Tensor):
+        """grad: (2, batch, kv_heads, seq, dim) for the whole sequences, summed over the ranks."""
+        by_rank = rank_order(grad, self.degree)
+        out = grad.new_empty(by_rank.shape[1:])
+        work = dist.reduce_scatter_tensor(
+            out, by_rank.flatten(0, 1).contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
-        return out, None
+        return out, work
+
+    def finish_scatter(self, pending) -> torch.Tensor:
+        """-> (2, batch, kv_heads, 2 x chunk, dim): this rank's share of the K/V gradients."""
+        out, work = pending
+        work.wait()
+        return out
+
+
+class WholeSequenceExchange(KVExchange):
+    """Stands in for the cp group in one process that holds the whole sequences' K/V (tests,
+    scripts/benchmark_attention.py): nothing is communicated, and the gradients meant for the
+    keys' owners are kept in `scattered` (this rank's share is returned as zeros)."""
+
+    def __init__(self, kv: torch.Tensor, rank: int, degree: int):
+        super().__init__(None, rank, degree)
+        self.kv, self.scattered = kv, None
+
+    def start_gather(self, kv: torch.Tensor):
+        return self.kv
+
+    def finish_gather(self, pending) -> torch.Tensor:
+        return pending
+
+    def start_scatter(self, grad: torch.Tensor):
+        self.scattered = grad
+        return torch.zeros_like(rank_order(grad, self.degree)[self.rank])
+
+    def finish_scatter(self, pending) -> torch.Tensor:
+        return pending
+
+
+def causal_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exchange: KVExchange):
+    """Exact causal attention of a cp rank's two query chunks (q, k, v: this rank's chunks)."""
+    return _CausalChunkAttention.apply(q, k, v, exchange)
+
+
+class _CausalChunkAttention(torch.autograd.Function):
+    """Exact causal attention of a cp rank's two query chunks, each split in two parts: its own
+    chunk's keys (square causal mask; local, so computed while K/V are gathered) and every key
+    before the chunk (no mask), merged by log-sum-exp (parallelisms/attention_parts.py). Backward
+    computes the gathered keys' gradients first and reduce-scatters them while the local parts'
+    gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, exchange: KVExchange):
+        pending = exchange.start_gather(torch.stack([k, v]))
+        halves = _halves(q, k, v)
+        diagonal = [part_forward(qh, kh, vh, causal=True) for qh, kh, vh in halves]
+        keys, values = exchange.finish_gather(pending)
+        outs, lses = [], []
+        for (query, _, _), own, start in zip(halves, diagonal, _chunk_starts(q, exchange)):
+            parts = [own]
+            if start:
+                parts.append(part_forward(query, keys[:, :, :start], values[:, :, :start], causal=False))
+            out, lse = merge(parts)
+            outs.append(out)
+            lses.append(lse)
+        ctx.exchange = exchange
+        ctx.save_for_backward(q, k, v, keys, values, *outs, *lses)
+        return torch.cat(outs, dim=2)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, keys, values, *saved = ctx.saved_tensors
+        outs, lses = saved[:2], saved[2:]
+        halves = _halves(q, k, v)
+        douts = dout.chunk(2, dim=2)
+        dq = [torch.zeros_like(query) for query, _, _ in halves]
+        dkv = torch.zeros((2, *keys.shape), dtype=keys.dtype, device=keys.device)
+        for i, start in enumerate(_chunk_starts(q, ctx.exchange)):
+            if start:
+                dq_part, dk_part, dv_part = part_backward(
+                    douts[i], halves[i][0], keys[:, :, :start], values[:, :, :start], outs[i], lses[i], False
+                )
+                dq[i] += dq_part
+                dkv[0, :, :, :start] += dk_part
+                dkv[1, :, :, :start] += dv_part
+        pending = ctx.exchange.start_scatter(dkv)
+        dk_local, dv_local = [], []
+        for i, (query, kh, vh) in enumerate(halves):
+            dq_part, dk_part, dv_part = part_backward(douts[i], query, kh, vh, outs[i], lses[i], True)
+            dq[i] += dq_part
+            dk_local.append(dk_part)
+            dv_local.append(dv_part)
+        dk, dv = ctx.exchange.finish_scatter(pending)
+        return torch.cat(dq, 2), dk + torch.cat(dk_local, 2), dv + torch.cat(dv_local, 2), None
+
+
+def _halves(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """[(q, k, v) of the rank's first chunk, (q, k, v) of its second], split along the sequence."""
+    return list(zip(*(t.chunk(2, dim=2) for t in tensors)))
+
+
+def _chunk_starts(q: torch.Tensor, exchange: KVExchange) -> list[int]:
+    """Sequence positions where the rank's two chunks (rank and 2cp-1-rank) begin."""
+    chunk = q.shape[2] // 2
+    return [exchange.rank * chunk, (2 * exchange.degree - 1 - exchange.rank) * chunk]
 
 
 class ContextParallelAttention(nn.Module):
     def __init__(self, cp_mesh: DeviceMesh):
         super().__init__()
-        self.group = cp_mesh.get_group()
-        self.rank = cp_mesh.get_local_rank()
-        self.degree = cp_mesh.size()
+        self.exchange = KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
 
-    def _full_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, 2 x chunk, dim) local -> (batch, heads, seq, dim) in sequence order."""
-        gathered = _GatherChunks.apply(x, self.group)  # (cp, batch, heads, 2 x chunk, dim)
-        halves = gathered.unflatten(3, (2, -1))  # rank j: chunks j and 2cp-1-j
-        ordered = [halves[c, :, :, 0] for c in range(self.degree)]
-        ordered += [halves[2 * self.degree - 1 - c, :, :, 1] for c in range(self.degree, 2 * self.degree)]
-        return torch.cat(ordered, dim=2)
-
+    @torch.compiler.disable  # collectives started and finished apart: run eagerly, between graphs
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
     ) -> torch.Tensor:
-        keys, values = self._full_sequence(k), self._full_sequence(v)
-        if mask is not None:  # a document mask, built for this rank's query positions
-            return masked_attention(q, keys, values, mask)
-        return attend_local_chunks(q, keys, values, self.rank, self.degree)
-
-
-def attend_local_chunks(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rank: int, degree: int
-) -> torch.Tensor:
-    """Exact causal attention of a cp rank's two query chunks (q: batch, heads, 2 x chunk, dim)
-    against the keys and values of the whole sequence, in sequence order."""
-    chunk = q.shape[2] // 2
-    outputs = []
-    for half, index in enumerate((rank, 2 * degree - 1 - rank)):
-        query = q[:, :, half * chunk : (half + 1) * chunk]
-        end = (index + 1) * chunk  # this chunk sees every key up to its own last token
-        mask = causal_lower_right(chunk, end)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                query, keys[:, :, :end], values[:, :, :end], attn_mask=mask, enable_gqa=True
-            )
-        )
-    return torch.cat(outputs, dim=2)
+        if mask is None:
+            return causal_chunk_attention(q, k, v, self.exchange)
+        # A document mask, built for this rank's query positions, against the gathered keys.
+        keys, values = _GatherChunks.apply(torch.stack([k, v]), self.exchange)
+        return masked_attention(q, keys, values, mask)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:

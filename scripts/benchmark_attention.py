@@ -4,9 +4,11 @@ context-parallel path (parallelisms/context_parallel.py) for the work of one ran
     python scripts/benchmark_attention.py --seq 32768 65536 131072 --out attention.jsonl
 
 With one GPU there is no cp group to gather from, so a cp rank's work is timed by giving it the
-full K/V (what the all-gather would produce) and running its two query chunks, exactly as the
-module does; `cp x rank time / plain time` near 1 means the split costs no extra attention time.
-The communication (an all-gather of K/V forward, a reduce-scatter backward) is not timed here.
+full K/V (what the all-gather would produce; context_parallel.WholeSequenceExchange) and running
+its two query chunks, exactly as the module does (each chunk: its own keys with the causal mask
+plus the keys before it unmasked, merged by log-sum-exp); `cp x rank time / plain time` near 1
+means the split costs no extra attention time. The communication (an all-gather of K/V forward, a
+reduce-scatter backward) is not timed here.
 FLOPs: causal attention forward = 2 x 2 x seq^2 x heads x head_dim / 2; forward + backward = 3 x
 forward (the convention of the model FLOPs in metrics: backward = 2 x forward).
 """
@@ -23,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallelisms.context_parallel import attend_local_chunks, local_positions
+from parallelisms.context_parallel import WholeSequenceExchange, causal_chunk_attention, local_positions
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -46,10 +48,11 @@ def time_ms(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def cp_rank_attention(q, k, v, rank: int, cp: int):
-    """One cp rank's attention, given the whole sequence's K/V (what its all-gather produces)."""
+def cp_rank_inputs(q, k, v, rank: int, cp: int):
+    """One cp rank's chunks of q, k, v (leaves) and its exchange holding the whole K/V."""
     positions = local_positions(k.shape[2], rank, cp).to(q.device)
-    return attend_local_chunks(q[:, :, positions], k, v, rank, cp)
+    local = [t[:, :, positions].detach().requires_grad_() for t in (q, k, v)]
+    return (*local, WholeSequenceExchange(torch.stack([k, v]).detach(), rank, cp))
 
 
 def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
@@ -83,12 +86,13 @@ def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
     for cp in args.cp:
         for rank in sorted({0, cp - 1}):
             positions = local_positions(seq, rank, cp).to(q.device)
+            inputs = cp_rank_inputs(q, k, v, rank, cp)
             with torch.no_grad():
-                out = cp_rank_attention(q, k, v, rank, cp).float()
+                out = causal_chunk_attention(*inputs).float()
             want = reference[:, :, positions]
             error = ((out - want).norm() / want.norm()).item()
             local_grad = grad[:, :, positions]
-            step = lambda: cp_rank_attention(q, k, v, rank, cp).backward(local_grad)  # noqa: B023
+            step = lambda: causal_chunk_attention(*inputs).backward(local_grad)  # noqa: B023
             ms = time_ms(step, args.repeat)
             result = {"seq": seq, "path": f"cp{cp}-rank{rank}", "ms": round(ms, 2)}
             result["tflops"] = round(flops / cp / ms / 1e9, 1)

@@ -2,10 +2,19 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from configs import UserError, load_config
-from parallelisms.context_parallel import apply_context_parallel, local_positions, shard_sequences
+from parallelisms.context_parallel import (
+    WholeSequenceExchange,
+    apply_context_parallel,
+    causal_chunk_attention,
+    local_positions,
+    rank_order,
+    sequence_order,
+    shard_sequences,
+)
 from parallelisms.parallel_dims import ParallelDims
 
 
@@ -64,14 +73,41 @@ def test_model_without_the_shared_kernel_is_refused():
         apply_context_parallel(OwnAttention(), cp_mesh=None)
 
 
+def test_rank_order_inverts_sequence_order():
+    sequence = torch.arange(2 * 3 * 16).reshape(2, 1, 3, 16, 1).float()
+    by_rank = rank_order(sequence, 4)
+    assert by_rank.shape == (4, 2, 1, 3, 4, 1)
+    for rank in range(4):  # each rank's chunks, as local_positions names them
+        assert torch.equal(by_rank[rank], sequence[:, :, :, local_positions(16, rank, 4)])
+    assert torch.equal(sequence_order(by_rank), sequence)
+
+
+def check_chunk_attention(cp: int, device: str, dtype: torch.dtype, tolerance: dict) -> None:
+    """Every cp rank's output and K/V/Q gradients (its own and those sent to the keys' owners),
+    put together, equal plain causal SDPA's over the whole sequences."""
+    torch.manual_seed(0)
+    seq = 64 * cp
+    q = torch.randn(2, 4, seq, 16, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 2, seq, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    full.backward(dout)
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    for rank in range(cp):
+        positions = local_positions(seq, rank, cp).to(device)
+        local = [t[:, :, positions].detach().requires_grad_() for t in (q, k, v)]
+        exchange = WholeSequenceExchange(torch.stack([k, v]).detach(), rank, cp)
+        out = causal_chunk_attention(*local, exchange)
+        torch.testing.assert_close(out, full[:, :, positions], **tolerance)
+        out.backward(dout[:, :, positions])
+        for total, leaf in zip(grads, local):
+            total[:, :, positions] += leaf.grad.float()
+        grads[1] += exchange.scattered[0].float()  # the gradients sent to the keys' owners
+        grads[2] += exchange.scattered[1].float()
+    for total, leaf in zip(grads, (q, k, v)):
+        torch.testing.assert_close(total, leaf.grad.float(), **tolerance)
+
+
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_each_rank_attention_equals_full_causal_attention(cp):
-    from parallelisms.context_parallel import attend_local_chunks
-
-    q, k, v = torch.randn(2, 4, 32, 8), torch.randn(2, 2, 32, 8), torch.randn(2, 2, 32, 8)
-    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    for rank in range(cp):
-        positions = local_positions(32, rank, cp)
-        torch.testing.assert_close(
-            attend_local_chunks(q[:, :, positions], k, v, rank, cp), full[:, :, positions]
-        )
+    check_chunk_attention(cp, "cpu", torch.float32, {"rtol": 1e-5, "atol": 1e-5})

@@ -1,0 +1,88 @@
+"""Attention of a block of queries against parts of the keys, merged by log-sum-exp.
+
+Context parallelism needs a query chunk's attention against all keys up to its own end: the keys
+before the chunk without a mask, and the chunk's own keys with the ordinary causal mask (a square).
+Each part is run by the fastest kernel that returns its log-sum-exp (cuDNN on CUDA for bf16/fp16,
+the kernel behind plain causal SDPA on the H200; exact math in PyTorch otherwise: CPU, fp32), and
+the parts are merged: out = sum_i exp(lse_i - lse) out_i with lse = log(sum_i exp(lse_i)).
+
+Backward needs no merging: with the merged output and log-sum-exp, each part's kernel backward
+gives exactly that part's share of the gradients (FlashAttention's identity dS = P * (dP - rowsum(dO
+* O)) holds per part when P is normalized by the whole row), so dQ is the sum over parts and each
+part's keys get their own dK, dV.
+
+Shapes: q (batch, heads, queries, dim); k, v (batch, kv_heads, keys, dim) with heads a multiple of
+kv_heads (GQA); lse (batch, heads, queries), float32.
+"""
+
+import torch
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _fused(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in _FUSED_DTYPES
+
+
+def part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """(out, lse) of softmax(q k^T / sqrt(dim)) v; causal: a square part with the usual mask."""
+    if _fused(q):
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False)
+        return result[0], result[1].reshape(q.shape[:3])
+    scores = _math_scores(q, k, causal)
+    lse = scores.logsumexp(dim=-1)
+    out = (scores - lse.unsqueeze(-1)).exp() @ _repeat_kv(v.float(), q.shape[1])
+    return out.to(q.dtype), lse
+
+
+def part_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+):
+    """(dq, dk, dv) of one part, given the merged out and lse of the whole row."""
+    if _fused(q):
+        # cuDNN reads dout in the layout of out.
+        dout = torch.empty_like(out).copy_(dout)
+        empty = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: no RNG state
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1), empty, empty, None, None, None,
+            q.shape[2], k.shape[2], 0.0, causal,
+        )  # fmt: skip
+        return grads[0], grads[1], grads[2]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    probabilities = (_math_scores(q, k, causal) - lse.unsqueeze(-1)).exp()
+    dout, values = dout.float(), _repeat_kv(v.float(), heads)
+    dv = probabilities.transpose(-1, -2) @ dout
+    row_dot = (dout * out.float()).sum(dim=-1, keepdim=True)
+    dscores = probabilities * (dout @ values.transpose(-1, -2) - row_dot)
+    dq = dscores @ _repeat_kv(k.float(), heads) * scale
+    dk = dscores.transpose(-1, -2) @ q.float() * scale
+    sum_groups = lambda g: g.unflatten(1, (kv_heads, heads // kv_heads)).sum(dim=2)
+    return dq.to(q.dtype), sum_groups(dk).to(k.dtype), sum_groups(dv).to(v.dtype)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The (out, lse) of the union of the parts' keys, from each part's (out, lse)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
+    out = sum((part_lse - lse).exp().unsqueeze(-1) * part_out.float() for part_out, part_lse in parts)
+    return out.to(parts[0][0].dtype), lse
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _math_scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    scores = q.float() @ _repeat_kv(k.float(), q.shape[1]).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        above_diagonal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above_diagonal, float("-inf"))
+    return scores
