@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf, integrity
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
-from checkpoint.writing import Stager, describe, writer_thread_errors
+from checkpoint.writing import Stager, describe, low_disk_note, writer_thread_errors
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
@@ -159,13 +159,13 @@ class Checkpointer:
             with writer_thread_errors() as errors:
                 write()
             if errors:
-                return describe(errors[0])
+                return describe(errors[0]) + low_disk_note(partial)
             start = time.perf_counter()
             own = integrity.checksum(integrity.own_files(partial, self.rank))
             self.checksum_seconds = time.perf_counter() - start  # this rank's, for the log
             return own
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-            return describe(e)
+            return describe(e) + low_disk_note(partial)
 
     def _save_in_background(self, staged, partial: Path, final: Path, start: float) -> None:
         def write() -> None:

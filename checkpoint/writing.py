@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import copy
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -120,6 +121,16 @@ def writer_thread_errors():
         yield errors
     finally:
         threading.excepthook = previous
+
+
+def low_disk_note(folder) -> str:
+    """ " (its disk has N GB free)" when the disk holding `folder` is nearly full, else "": torch's
+    writers report a full disk in words that do not say so (e.g. "unexpected pos 704 vs 598")."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" (its disk has {free / 1e9:.1f} GB free)" if free < 2**30 else ""
 
 
 def describe(error: BaseException) -> str:

@@ -108,6 +108,9 @@ def main() -> int:
         result["train_wall_s"] = round(wall, 1)
 
         last_full = (args.steps - 1) // args.interval * args.interval
+        for later in (folder / "checkpoint").glob("step-*"):  # the resumed run writes its own
+            if int(later.name.removeprefix("step-")) > last_full:
+                shutil.rmtree(later)
         log, wall = train(args, str(folder), [*args.overrides, "--checkpoint.load_step", str(last_full)])
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         again = {r["step"]: r["loss"] for r in map(json.loads, lines) if "tps" in r}

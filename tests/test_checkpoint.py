@@ -287,6 +287,18 @@ def test_damaged_checkpoint_is_refused_by_every_rank_and_kept(sources, tmp_path)
     assert not (folder / "metrics.jsonl").exists() and "resumed from" not in result.stdout
 
 
+def test_a_full_disk_is_named_in_the_save_error(monkeypatch, tmp_path):
+    """torch's writers report a full disk in words that do not say so ("unexpected pos 704 vs
+    598", seen on the H200 machine): the error line adds the free space when it is nearly gone."""
+    from types import SimpleNamespace
+
+    from checkpoint import writing
+
+    assert writing.low_disk_note(tmp_path) == ""  # this disk has room
+    monkeypatch.setattr(writing.shutil, "disk_usage", lambda path: SimpleNamespace(free=12_000_000))
+    assert writing.low_disk_note(tmp_path) == " (its disk has 0.0 GB free)"
+
+
 # Loaded by every train.py process through PYTHONPATH: rank 1's writes into FAIL_SAVE's folder
 # fail as on a full disk, part-way through its file.
 FAILING_WRITES = """
