@@ -111,7 +111,8 @@ def train(config: JobConfig) -> int:
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     # Replica groups of fault tolerance (torchft) read their shares of one global batch, as HSDP's.
-    fault_tolerance = FaultTolerance(config.fault_tolerance, device, dims.dp_replicate)
+    checkpoint_interval = config.checkpoint.interval if config.checkpoint.enable else 0
+    fault_tolerance = FaultTolerance(config.fault_tolerance, device, dims.dp_replicate, checkpoint_interval)
     dp_degree, dp_rank = fault_tolerance.data_parallel(dims.dp, mesh["dp"].get_local_rank())
     global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
     tokens_per_step = global_batch * config.training.seq_len
@@ -121,9 +122,10 @@ def train(config: JobConfig) -> int:
     validator = Validator(
         config.validation, config.training, model.tokenizer, global_batch, dp_rank, dp_degree
     )
-    step_runner = StepRunner(
-        model, dims, mesh, config, device, global_batch, accumulation_steps, fault_tolerance
-    )
+    step_runner = StepRunner(  # a loss normalized by the tokens of the samples the update uses
+        model, dims, mesh, config, device, fault_tolerance.loss_batch(global_batch), accumulation_steps,
+        fault_tolerance,
+    )  # fmt: skip
 
     # Resume: the latest complete checkpoint of this run (any layout), else initial weights if given.
     train_state = TrainState(model=TrainState.describe(model.spec.name, model.args))
@@ -133,7 +135,7 @@ def train(config: JobConfig) -> int:
     )  # fmt: skip
     resumed = checkpointer.load()
     fault_tolerance.register_state(model.parts, optimizers, dataloader, train_state)
-    fault_tolerance.hook_gradients(model.parts)
+    fault_tolerance.combine_groups(model.parts, optimizers)
 
     # Every check has passed: only now is anything written into the dump folder (with fault
     # tolerance each replica group keeps its records in replica_<id>/, continued when it restarts).
@@ -187,6 +189,9 @@ def train(config: JobConfig) -> int:
         tokens = tokens_per_step * fault_tolerance.participants() // fault_tolerance.groups
         train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens
         profiler.step_ends(step)
+        if fault_tolerance.sync_groups(step, last_step):  # local_sgd: this group was behind and healed
+            metrics.start(train_state.step)
+            continue
 
         if step == first_step:
             metrics.first_step_done(step, START_TIME)

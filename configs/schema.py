@@ -476,9 +476,20 @@ class FaultTolerance(Section):
     """How long a collective between groups, a quorum or a peer's state transfer may take before
     the step fails."""
 
+    semi_sync_method: Literal["none", "local_sgd"] = "none"
+    """none: the groups sum their gradients at every step. local_sgd: each group takes sync_steps
+    optimizer steps alone on its share of each batch, then the groups average their parameters
+    (torchft's LocalSGD); only then do they communicate, and a group that is behind heals. The
+    logged loss is then the group's own."""
+
+    sync_steps: int = 20
+    """With semi_sync_method local_sgd: average the groups' parameters after every this many steps
+    (and after the last). checkpoint.interval must be a multiple of it."""
+
     def check(self, section: str) -> None:
         require(section, self, [
             ("group_size", not self.enable or self.group_size >= 1, "must be >= 1 with enable"),
+            ("sync_steps", self.sync_steps >= 1, "must be >= 1"),
             ("replica_id", 0 <= self.replica_id < max(self.group_size, 1), "must be in 0 .. group_size - 1"),
             ("min_replica_size", 1 <= self.min_replica_size <= max(self.group_size, 1),
              "must be in 1 .. group_size"),

@@ -152,6 +152,9 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                           "--fault_tolerance.min_replica_size", "3"], "fault_tolerance.min_replica_size must be in 1 .. group_size"),
         ("FT without torchrun", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
                                  "--fault_tolerance.lighthouse", "http://localhost:1"], "fault_tolerance needs torchrun"),
+        ("local SGD saves", ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.semi_sync_method",
+                             "local_sgd", "--fault_tolerance.sync_steps", "4", "--checkpoint.enable", "--checkpoint.interval",
+                             "6"], "checkpoint.interval (6) must be a multiple of fault_tolerance.sync_steps (4)"),
 
         ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
                            "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),

@@ -207,12 +207,13 @@ def checksums(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.distcp"))}
 
 
-@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
-def test_async_save_writes_the_same_bytes_as_sync(mode, reference, tmp_path):
+def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
+    """async_with_pinned_mem takes this path too without a GPU (pinned buffers and side-stream
+    copies need CUDA: checkpoint/writing.py); on the H200 it is measured (docs/performance.md)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = tmp_path / "async"
-    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", mode, "--job.dump_folder", str(folder)])
+    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", "async", "--job.dump_folder", str(folder)])
     for step in (5, 10):
         sync, asynchronous = reference / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}"
         data = checksums(asynchronous)

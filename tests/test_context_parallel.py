@@ -87,8 +87,11 @@ def check_chunk_attention(cp: int, device: str, dtype: torch.dtype, tolerance: d
     put together, equal plain causal SDPA's over the whole sequences."""
     torch.manual_seed(0)
     seq = 64 * cp
-    q = torch.randn(2, 4, seq, 16, device=device, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(2, 2, seq, 16, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    # (batch, heads, seq, dim) views of (batch, seq, heads, dim) tensors, as the models make them.
+    q, k, v = (
+        torch.randn(2, seq, heads, 16, device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+        for heads in (4, 2, 2)
+    )
     dout = torch.randn_like(q)
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     full.backward(dout)

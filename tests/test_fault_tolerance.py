@@ -67,7 +67,7 @@ def test_healing_state_carries_weights_moments_step_rng_and_cursor():
 # Loaded by every process the launcher starts (PYTHONPATH): in train.py, replica group 1's first
 # run kills itself (SIGKILL) in the forward pass of the DIE_AT_STEP-th step that both groups take
 # part in, and at the end each group writes a digest of its model and optimizer state (parameters,
-# AdamW moments and steps).
+# AdamW moments and steps); with local SGD also one of its parameters right after each sync.
 INSTRUMENT = """
 import hashlib, os, signal, sys
 if sys.argv and sys.argv[0].endswith("train.py"):
@@ -89,17 +89,26 @@ if sys.argv and sys.argv[0].endswith("train.py"):
     def keep(self, *parts):
         self.parts = parts
         register_state(self, *parts)
-    def digest_and_close(self):
+    def write_digest(self, name, parts):
         state = ft.healing_state(*self.parts)
         digest = hashlib.sha256()
-        for part in ("model", "optimizer"):
+        for part in parts:
             for key, value in sorted(state[part].items()):
                 data = value.numpy().tobytes() if torch.is_tensor(value) else repr(value).encode()
                 digest.update(key.encode() + data)
-        with open(os.path.join(os.environ["DIGESTS"], "replica_" + replica), "w") as f:
+        with open(os.path.join(os.environ["DIGESTS"], name), "w") as f:
             f.write(digest.hexdigest())
+    def digest_and_close(self):
+        write_digest(self, "replica_" + replica, ("model", "optimizer"))
         close(self)
     ft.FaultTolerance.register_state, ft.FaultTolerance.close = keep, digest_and_close
+    sync_groups = ft.FaultTolerance.sync_groups
+    def digest_after_sync(self, step, last_step):  # local SGD: the parameters right after a sync
+        healed = sync_groups(self, step, last_step)
+        if self.local_sgd is not None and (step % self.sync_steps == 0 or step == last_step):
+            write_digest(self, f"replica_{replica}_step_{step}", ("model",))
+        return healed
+    ft.FaultTolerance.sync_groups = digest_after_sync
 """
 
 
@@ -164,3 +173,30 @@ def test_killed_group_is_left_behind_and_heals_from_the_live_one(tmp_path):
     rejoined = [r["step"] for r in read_metrics(folder / "replica_1")]
     assert rejoined == sorted(set(rejoined)) and rejoined[-1] == steps  # its records continue after the gap
     assert (digests / "replica_0").read_text() == (digests / "replica_1").read_text()
+
+
+def test_local_sgd_groups_train_alone_and_hold_the_same_weights_after_each_sync(tmp_path):
+    """semi_sync_method local_sgd, a sync every 4 of 10 steps (and after the last): each group trains
+    on its own samples (its loss is its own, normalized by its tokens), right after every sync both
+    hold bitwise the same parameters while their AdamW moments stay their own; one group saves,
+    right after syncs."""
+    folder, digests = tmp_path / "ft", tmp_path / "digests"
+    digests.mkdir()
+    (tmp_path / "sitecustomize.py").write_text(INSTRUMENT)
+    env = {"MIN_REPLICAS": "2", "RESTARTS": "0", "DIGESTS": str(digests), "DIE_AT_STEP": "-1",
+           "PYTHONPATH": str(tmp_path)}  # fmt: skip
+    local_sgd = ["--fault_tolerance.semi_sync_method", "local_sgd", "--fault_tolerance.sync_steps", "4"]
+    process = launch(folder, 10, env, *local_sgd, "--checkpoint.enable", "--checkpoint.interval", "8")
+    output, _ = process.communicate(timeout=300)
+    logs = [(folder / f"replica_{i}.log").read_text() for i in (0, 1)]
+    assert process.returncode == 0, output + logs[0][-3000:] + logs[1][-3000:]
+    for step in (4, 8, 10):
+        assert (digests / f"replica_0_step_{step}").read_text() == (
+            digests / f"replica_1_step_{step}"
+        ).read_text()
+    assert (digests / "replica_0").read_text() != (digests / "replica_1").read_text()  # own moments
+    losses = [[r["loss"] for r in read_metrics(folder / f"replica_{i}")] for i in (0, 1)]
+    assert len(losses[0]) == len(losses[1]) == 10 and losses[0] != losses[1]
+    assert min(losses[0][0], losses[1][0]) > 5.0  # a mean over the group's own tokens (log 320 = 5.8)
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["step-10", "step-8"]
+    assert (logs[0] + logs[1]).count("saved checkpoint") == 2

@@ -116,6 +116,7 @@ def test_fp32_layout_matches_one_gpu(name, single, tmp_path):
 BF16_LAYOUTS = {
     "bf16_fsdp2": (2, ["--training.local_batch_size", "4"], ()),
     "bf16_tp2": (2, ["--training.local_batch_size", "8", *TP2], ()),
+    "bf16_cp2": (2, ["--training.local_batch_size", "8", *CP2], ()),  # attention parts on cuDNN
     "bf16_fsdp2_float8": (2, ["--training.local_batch_size", "4", "--float8.enable",
                               "--float8.enable_fsdp_float8_all_gather"], ("--float8.enable",)),
 }  # fmt: skip

@@ -10,6 +10,11 @@ step is committed (the optimizer updates) only if no group failed during it; oth
 updates and the loop runs the step again with the next samples. Disabled, every method is a no-op
 and the loop runs as without it.
 
+Semi-synchronous (semi_sync_method = "local_sgd", torchft's LocalSGD): the groups do not talk at
+each step. Each trains alone on its share of every batch (its loss normalized by its own tokens)
+and after every sync_steps-th step they average their parameters; the quorum, and the healing of a
+group that is behind, happen there. A group that fails between syncs costs the others nothing.
+
 Data: the groups read one global sample order as HSDP replicas do, group g the slices of
 data-parallel ranks g x dp ... (g + 1) x dp - 1. A step's loss is normalized by the tokens of the
 whole global batch, so the groups' gradients are summed: all-reduced as a mean over the live groups
@@ -66,15 +71,25 @@ def load_healing_state(received: dict, model_parts, optimizers, dataloader, trai
 
 
 class FaultTolerance:
-    def __init__(self, config: Config, device: torch.device, dp_replicate: int):
+    def __init__(self, config: Config, device: torch.device, dp_replicate: int, checkpoint_interval: int = 0):
+        """checkpoint_interval: the checkpoint config's interval, 0 when checkpointing is off."""
         self.enabled = config.enable
         self.groups = config.group_size if config.enable else 1
         self.replica_id = config.replica_id if config.enable else 0
-        self.manager = None
+        self.semi_sync = config.enable and config.semi_sync_method != "none"
+        self.sync_steps = config.sync_steps
+        self.manager = self.local_sgd = None
         self.device = device
-        self.healed = False  # set by a peer's state arriving in start_step
+        self.healed = False  # set by a peer's state arriving in a quorum
         if not self.enabled:
             return
+        if self.semi_sync and checkpoint_interval % self.sync_steps:
+            raise UserError(
+                f"checkpoint.interval ({checkpoint_interval}) must be a multiple of "
+                f"fault_tolerance.sync_steps ({self.sync_steps}) with semi_sync_method "
+                f"{config.semi_sync_method}: checkpoints are saved right after the groups average their "
+                "parameters"
+            )
         if dp_replicate != 1:
             raise UserError(
                 "fault_tolerance replaces HSDP's replicas: set parallelism.data_parallel_replicate_degree "
@@ -116,6 +131,11 @@ class FaultTolerance:
         """This rank's place among the data-parallel ranks of all groups: (degree, rank)."""
         return degree * self.groups, self.replica_id * degree + rank
 
+    def loss_batch(self, global_batch: int) -> int:
+        """The samples whose tokens a group's loss is normalized by: the whole global batch when the
+        groups sum gradients, the group's own share when it trains alone between syncs."""
+        return global_batch // self.groups if self.semi_sync else global_batch
+
     def _sum_in_place(self, tensor: torch.Tensor) -> None:
         """The sum of every group's tensor: the mean of the live groups' x group_size."""
         from torch.distributed import ReduceOp
@@ -125,7 +145,7 @@ class FaultTolerance:
 
     def sum_over_groups(self, loss: torch.Tensor) -> float:
         """A group's share of a loss (normalized by the whole global batch) -> the global loss."""
-        if not self.enabled:
+        if not self.enabled or self.semi_sync:  # semi-sync: the group's own loss
             return loss.item()
         loss = loss.detach().to(self.loss_device, torch.float64 if self.loss_device.type == "cpu" else None)
         self._sum_in_place(loss)
@@ -135,9 +155,10 @@ class FaultTolerance:
         """Where this group's metrics.jsonl, tb/ and config.toml go (checkpoints are shared)."""
         return dump_folder / f"replica_{self.replica_id}" if self.enabled else dump_folder
 
-    def hook_gradients(self, model_parts: list[nn.Module]) -> None:
-        """Every FSDP unit's reduced gradient shards are summed over the groups (FSDP's all-reduce
-        hook runs after its reduce-scatter, where HSDP would all-reduce)."""
+    def combine_groups(self, model_parts: list[nn.Module], optimizers) -> None:
+        """How the groups' training adds up: every FSDP unit's reduced gradient shards summed over
+        the groups at each step (FSDP's all-reduce hook runs after its reduce-scatter, where HSDP
+        would all-reduce), or with local_sgd the parameters averaged every sync_steps steps."""
         if not self.enabled:
             return
         from torch.distributed.fsdp import FSDPModule
@@ -147,6 +168,18 @@ class FaultTolerance:
                 "fault_tolerance with Mixture-of-Experts layers is not supported yet (each group's "
                 "expert-load counts would move its expert biases apart)"
             )
+        if self.semi_sync:
+            from torchft.local_sgd import LocalSGD
+
+            if len(model_parts) != 1:
+                raise UserError(
+                    "fault_tolerance.semi_sync_method local_sgd needs one model part per rank (not a "
+                    "pipeline schedule with several stages per rank)"
+                )
+            # Synced by sync_groups at step numbers (not by its optimizer hooks, which count only
+            # the updates a non-finite step did not skip), so every group syncs at the same steps.
+            self.local_sgd = LocalSGD(self.manager, model_parts[0], optimizers.parts[0], self.sync_steps)
+            return
         for part in model_parts:
             for unit in part.modules():
                 if isinstance(unit, FSDPModule):
@@ -169,7 +202,7 @@ class FaultTolerance:
     # ---- the step protocol -----------------------------------------------------------------
     def start_step(self) -> bool:
         """The quorum of live groups for this step; a group that is behind heals here (True)."""
-        if not self.enabled:
+        if not self.enabled or self.semi_sync:  # semi-sync: the quorum is at the next sync
             return False
         self.healed = False
         self.manager.start_quorum()
@@ -177,15 +210,26 @@ class FaultTolerance:
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished this step (else no group updates)."""
-        if not self.enabled:
+        if not self.enabled or self.semi_sync:
             return True
         committed = self.manager.should_commit()
         if not committed:
             logger.warning("a replica group failed during this step: not committed, the step runs again")
         return committed
 
+    def sync_groups(self, step: int, last_step: int) -> bool:
+        """local_sgd, after every sync_steps-th step and the last: the quorum of live groups (a
+        group that is behind heals first: True), then their parameters averaged (kept only if no
+        group failed meanwhile)."""
+        if self.local_sgd is None or (step % self.sync_steps and step != last_step):
+            return False
+        self.healed = False
+        self.local_sgd.sync()
+        return self.healed
+
     def participants(self) -> int:
-        return self.manager.num_participants() if self.enabled else 1
+        """Groups whose samples this step's update used."""
+        return self.manager.num_participants() if self.enabled and not self.semi_sync else 1
 
     def writes_checkpoints(self) -> bool:
         """One group saves: the first live one (checkpoints are shared by all groups)."""
