@@ -131,23 +131,32 @@ def test_bf16_layout_matches_one_gpu(name, single, tmp_path):
     assert found["loss"] < BF16_BAR, found
 
 
+# Document masking on short documents (~12 per window of 256): flex attention under a BlockMask.
 DOCUMENTS = ("--model.attention_mask", "document", "--training.dataset", "text",
              "--training.dataset_path", SHORT_DOCUMENTS)  # fmt: skip
-DOCUMENT_LAYOUTS = {
-    "cp2_document": (2, ["--training.local_batch_size", "8", *CP2]),
-    "pp2_document": (2, ["--training.local_batch_size", "8", *PP2]),  # the BlockMask cut in micro-batches
-    "fsdp2_compile_document": (2, ["--training.local_batch_size", "4", "--compile.enable"]),
+# Mixture of Experts (qwen3_moe debugmodel; fp32, so the per-expert loop, not grouped GEMM).
+MOE = ("--model.name", "qwen3_moe")
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# name: (GPUs, overrides the one-GPU reference shares, the layout's own overrides)
+VARIANT_LAYOUTS = {
+    "cp2_document": (2, DOCUMENTS, ["--training.local_batch_size", "8", *CP2]),
+    "pp2_document": (2, DOCUMENTS, ["--training.local_batch_size", "8", *PP2]),  # mask cut in micro-batches
+    "fsdp2_compile_document": (2, DOCUMENTS, ["--training.local_batch_size", "4", "--compile.enable"]),
+    "moe_ep2_fsdp2": (2, MOE, ["--training.local_batch_size", "4", *EP2]),
+    "moe_ep2_compile": (2, MOE, ["--training.local_batch_size", "4", *EP2, "--compile.enable"]),
+    "moe_tp2": (2, MOE, ["--training.local_batch_size", "8", *TP2]),
+    "moe_pp2": (2, MOE, ["--training.local_batch_size", "8", *PP2]),
+    "moe_cp2_ep2": (2, MOE, ["--training.local_batch_size", "8", *CP2, *EP2]),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=gpus(g[0]), id=n) for n, g in DOCUMENT_LAYOUTS.items()]
+    "name", [pytest.param(n, marks=gpus(g[0]), id=n) for n, g in VARIANT_LAYOUTS.items()]
 )
-def test_document_masking_layout_matches_one_gpu(name, single, tmp_path):
-    """Flex attention under a BlockMask, on short documents (~12 per window of 256)."""
-    nproc, overrides = DOCUMENT_LAYOUTS[name]
-    run_train([*COMMON, *FP32, *DOCUMENTS, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
-    found = differences(read_metrics(tmp_path), single(FP32, DOCUMENTS))
+def test_document_masking_and_moe_layouts_match_one_gpu(name, single, tmp_path):
+    nproc, shared, overrides = VARIANT_LAYOUTS[name]
+    run_train([*COMMON, *FP32, *shared, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    found = differences(read_metrics(tmp_path), single(FP32, shared))
     record(name, nproc, found)
     assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
 
