@@ -4,9 +4,9 @@ Causal attention by default. With document masking (`[model] attention_mask = "d
 attends only to earlier tokens of its own document in the packed window: the training step finds
 the documents from the EOS tokens the packer writes (`document_ids`), builds one mask per
 micro-batch (`document_mask`) and the model hands it, untouched, to every attention kernel. On CUDA
-the mask is a flex-attention BlockMask (fully masked tiles are skipped, so short documents cost
-less than causal attention); elsewhere it is a boolean tensor for SDPA (flex attention has no CPU
-backward).
+the mask is a flex-attention BlockMask (fully masked tiles are skipped: the shorter the documents,
+the less work; flex's kernel is slower than the cuDNN one of causal attention, see
+docs/performance.md); elsewhere it is a boolean tensor for SDPA (flex attention has no CPU backward).
 """
 
 import functools
