@@ -176,31 +176,3 @@ def test_inferred_shard_degree():
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 4, 2, 4)
     with pytest.raises(UserError, match=r"tensor_parallel_degree 2 does not divide model n_kv_heads \(3\)"):
         dims.check_divisibility({"model n_heads": 6, "model n_kv_heads": 3})
-
-
-def test_layout_errors_through_train_py(tmp_path):
-    # One process cannot hold TP 2.
-    result = run_train(
-        [*TINY, "--parallelism.tensor_parallel_degree", "2", "--job.dump_folder", str(tmp_path)], check=False
-    )
-    assert result.returncode == 2
-    message = "world size 1 is not divisible by the pipeline x replicate x context x tensor parallel degrees"
-    message += " = 1 x 1 x 1 x 2"
-    assert result.stderr.strip().splitlines() == [f"error: {message}"]
-    # A size that TP cannot split, reported once although every rank finds it.
-    result = run_train(
-        [*TINY, "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "33",
-         "--job.dump_folder", str(tmp_path)], nproc=2, check=False,
-    )  # fmt: skip
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: tensor_parallel_degree 2 does not divide training.seq_len (33)"]
-
-
-def test_zero_bubble_with_fsdp_is_refused(tmp_path):
-    layout = [PP, "2", SCHEDULE, "ZBVZeroBubble", "--training.local_batch_size", "4"]
-    result = run_train([*COMMON, *layout, "--job.dump_folder", str(tmp_path)], nproc=4, check=False)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "ZBVZeroBubble with FSDP gives wrong gradients" in errors[0]
-    assert not (tmp_path / "metrics.jsonl").exists()
