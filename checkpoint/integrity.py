@@ -5,8 +5,8 @@ load without a complaint: DCP reads whatever bytes sit at the offsets that .meta
 checksums.json in each step-N folder holds, per file, its size and the CRC32 of each 64 MiB piece:
 pieces, so that a rank's threads share one large file and an error can say where the damage is.
 
-Saving (checkpoint/manager.py): each rank checksums the files it wrote right after writing them,
-while they are still in the page cache; rank 0 gathers the results, adds .metadata and writes
+Saving (checkpoint/manager.py): each rank's data files are checksummed piece by piece as they are
+written (checkpoint/data_files.py); rank 0 gathers the results, adds .metadata and writes
 checksums.json before the checkpoint is committed. Loading: the files are shared out over the ranks
 (a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
 reads from it) and any problem stops every rank before DCP reads anything. A checkpoint without

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf, integrity
+from checkpoint.data_files import storage_writer
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
 from checkpoint.writing import Stager, describe, low_disk_note, writer_thread_errors
 from configs import UserError
@@ -133,7 +134,7 @@ class Checkpointer:
             state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
         start = time.perf_counter()
         if self.config.async_mode == "disabled" or blocking or model_only:
-            own = self._write(lambda: dcp.save(state, storage_writer=self._writer(partial)), partial)
+            own = self._write(lambda writer: dcp.save(state, storage_writer=writer), partial)
             self._finish(own, partial, final)
             size = sum(f.stat().st_size for f in final.iterdir()) / 1e9 if self.is_rank0 else 0
             logger.info(
@@ -150,27 +151,28 @@ class Checkpointer:
             )
         return final
 
-    def _writer(self, partial: Path) -> FileSystemWriter:
-        return FileSystemWriter(str(partial), thread_count=self.config.writer_threads)
-
     def _write(self, write, partial: Path) -> dict | str:
-        """Run a DCP write, then checksum this rank's files: their checksums, or what went wrong."""
+        """Run write(DCP storage writer into partial): this rank's files' checksums (taken while
+        they were written), or what went wrong."""
+        writer = storage_writer(partial, self.config.writer_threads, self.config.direct_io)
         try:
             with writer_thread_errors() as errors:
-                write()
+                write(writer)
             if errors:
                 return describe(errors[0]) + low_disk_note(partial)
-            start = time.perf_counter()
-            own = integrity.checksum(integrity.own_files(partial, self.rank))
+            own = writer.fs.checksums
+            start = time.perf_counter()  # files named unlike DCP's today (a later torch): read back
+            unread = [p for p in integrity.own_files(partial, self.rank) if p.name not in own]
+            own.update(integrity.checksum(unread))
             self.checksum_seconds = time.perf_counter() - start  # this rank's, for the log
             return own
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
             return describe(e) + low_disk_note(partial)
 
     def _save_in_background(self, staged, partial: Path, final: Path, start: float) -> None:
-        def write() -> None:
+        def write(writer) -> None:
             state = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
-            dcp.save(state, storage_writer=self._writer(partial), process_group=self.group)
+            dcp.save(state, storage_writer=writer, process_group=self.group)
 
         try:
             self._finish(self._write(write, partial), partial, final, self.group)
@@ -365,8 +367,8 @@ def _warn_about_unused_saving_keys(config: Checkpoint) -> None:
     """Saving keys set with saving off: a recipe may keep them so (resuming keys set without enable
     are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
     defaults = Checkpoint()
-    keys = ("folder", "interval", "keep_latest_k", "async_mode", "writer_threads", "last_save_model_only",
-            "export_dtype")  # fmt: skip
+    keys = ("folder", "interval", "keep_latest_k", "async_mode", "writer_threads", "direct_io",
+            "last_save_model_only", "export_dtype")  # fmt: skip
     unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
     if unused:
         logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")

@@ -410,6 +410,12 @@ class Checkpoint(Section):
     """Threads each rank writes its checkpoint files with (more, smaller files; DCP's
     FileSystemWriter thread_count). docs/performance.md has the measured effect."""
 
+    direct_io: bool = True
+    """Write the data files with O_DIRECT, past the page cache, checksumming them on the way
+    (checkpoint/data_files.py): faster on local disks; a filesystem that refuses O_DIRECT gets
+    ordinary writes. false: ordinary writes everywhere (e.g. where O_DIRECT is slow, as on some
+    network filesystems)."""
+
     last_save_model_only: bool = False
     """At the last step save only the model weights (in export_dtype), e.g. for export; such a
     checkpoint can start another run (initial_load_path) but not continue this one."""

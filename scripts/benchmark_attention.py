@@ -48,6 +48,18 @@ def time_ms(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def print_profile(fn, label: str) -> None:
+    """The GPU kernels of three calls of fn, by total time, to stderr (--profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    print(f"# {label}: kernels of 3 calls", file=sys.stderr)
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14), file=sys.stderr)
+
+
 def cp_rank_inputs(q, k, v, rank: int, cp: int):
     """One cp rank's chunks of q, k, v (leaves) and its exchange holding the whole K/V."""
     positions = local_positions(k.shape[2], rank, cp).to(q.device)
@@ -77,6 +89,9 @@ def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
             results.append({"seq": seq, "path": f"sdpa-{name}", "error": str(e).splitlines()[0][:200]})
             continue
         plain_ms[name] = ms
+        if args.profile and name == "cudnn":
+            with sdpa_kernel([backend]):
+                print_profile(plain, f"seq {seq} sdpa-cudnn")
         results.append(
             {"seq": seq, "path": f"sdpa-{name}", "ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)}
         )
@@ -94,6 +109,8 @@ def bench_sequence(seq: int, args: argparse.Namespace) -> list[dict]:
             local_grad = grad[:, :, positions]
             step = lambda: causal_chunk_attention(*inputs).backward(local_grad)  # noqa: B023
             ms = time_ms(step, args.repeat)
+            if args.profile:
+                print_profile(step, f"seq {seq} cp{cp}-rank{rank}")
             result = {"seq": seq, "path": f"cp{cp}-rank{rank}", "ms": round(ms, 2)}
             result["tflops"] = round(flops / cp / ms / 1e9, 1)
             result["cp_x_rank_over_best_plain"] = round(cp * ms / best_plain, 3)
@@ -113,6 +130,7 @@ def main() -> int:
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--out")
+    parser.add_argument("--profile", action="store_true", help="print each path's kernels to stderr")
     args = parser.parse_args()
     torch.manual_seed(0)
     for seq in args.seq:

@@ -208,12 +208,15 @@ def checksums(folder: Path) -> dict[str, str]:
 
 
 def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
-    """async_with_pinned_mem takes this path too without a GPU (pinned buffers and side-stream
+    """The reference saves with O_DIRECT (checkpoint.direct_io, default), this run through the page
+    cache. async_with_pinned_mem takes this path too without a GPU (pinned buffers and side-stream
     copies need CUDA: checkpoint/writing.py); on the H200 it is measured (docs/performance.md)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = tmp_path / "async"
-    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", "async", "--job.dump_folder", str(folder)])
+    # ... and through the page cache (direct_io off): still the same bytes and checksums.
+    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", "async", "--checkpoint.direct_io", "false",
+               "--job.dump_folder", str(folder)])  # fmt: skip
     for step in (5, 10):
         sync, asynchronous = reference / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}"
         data = checksums(asynchronous)
@@ -227,6 +230,57 @@ def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
             k: v for k, v in recorded[0].items() if k != ".metadata"
         }
         assert set(recorded[1]) == {".metadata", *data}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_data_file_writes_an_ordinary_files_bytes_and_checksums(direct, monkeypatch, tmp_path):
+    """checkpoint/data_files.py: bytes written in pieces (the last one padded for O_DIRECT, then
+    truncated) read back as written, and the CRC32s taken on the way are those integrity.checksum
+    reads back; empty files too."""
+    import random
+
+    from checkpoint import data_files, integrity
+
+    piece = 16 * data_files.ALIGNMENT
+    monkeypatch.setattr(data_files, "PIECE_BYTES", piece)
+    rng = random.Random(0)
+    for name, sizes in {"a.distcp": [1, piece - 1, 3 * piece + 5, 17, piece], "empty.distcp": []}.items():
+        chunks = [rng.randbytes(n) for n in sizes]
+        with data_files.DataFile(tmp_path / name, direct) as stream:
+            for chunk in chunks:
+                stream.write(memoryview(chunk))
+            assert stream.tell() == sum(sizes)
+        assert (tmp_path / name).read_bytes() == b"".join(chunks)
+        assert stream.summary() == integrity.checksum([tmp_path / name], piece)[name]
+
+
+def test_data_file_names_its_file_in_a_write_error_and_falls_back_from_o_direct(monkeypatch, tmp_path):
+    """A failed write (here ENOSPC) is an OSError naming the file (the save's error line shows it); a
+    filesystem refusing an O_DIRECT write (EINVAL) gets ordinary writes of the same bytes."""
+    import errno
+
+    from checkpoint import data_files
+
+    write = data_files.os.write
+    refusals = []
+
+    def refusing(fd, data):
+        if refusals:
+            raise OSError(refusals.pop(), "refused")
+        return write(fd, data)
+
+    monkeypatch.setattr(data_files.os, "write", refusing)
+    data = os.urandom(data_files.PIECE_BYTES + 10)
+    with data_files.DataFile(tmp_path / "fallback.distcp", direct=True) as stream:
+        stream.direct = True  # (as if the filesystem took O_DIRECT at open)
+        refusals.append(errno.EINVAL)
+        stream.write(data)
+    assert (tmp_path / "fallback.distcp").read_bytes() == data and not stream.direct and not refusals
+    refusals.append(errno.ENOSPC)
+    with pytest.raises(OSError) as failed:
+        with data_files.DataFile(tmp_path / "full.distcp", direct=True) as stream:
+            stream.write(data)
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "full.distcp")
 
 
 def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):

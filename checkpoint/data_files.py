@@ -1,0 +1,151 @@
+"""DCP's writer with each rank's data files written past the page cache and checksummed on the way.
+
+DCP's FileSystemWriter writes through Python file objects: every byte is copied into the page
+cache, written back by the kernel and fsync'ed at the end, which on the H200 machines' disk caps a
+save at ~0.8 GB/s (dd: 0.82 GB/s buffered + fsync, 1.25-1.7 GB/s with O_DIRECT). Here the data
+files (*.distcp) go through `DataFile`: bytes are gathered into one page-aligned 64 MiB buffer,
+the buffer's CRC32 is taken (the piece checksums.json records, checkpoint/integrity.py, so the
+files need not be read back), and the buffer is written with O_DIRECT: no page-cache copy, no
+write-back at fsync. Where a filesystem refuses O_DIRECT (tmpfs, some network filesystems) or the
+platform has none, the same buffers are written the ordinary way and fsync'ed at close.
+"""
+
+import errno
+import fcntl
+import mmap
+import os
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from checkpoint.integrity import PIECE_BYTES
+
+ALIGNMENT = 4096  # O_DIRECT offsets and lengths: a multiple of the device's block size (<= 4 KiB)
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # (none on macOS)
+
+
+class DataFile:
+    """A write-only file object (write, tell, flush, fileno, close, name) that writes whole pieces
+    of PIECE_BYTES (the last one padded, then truncated) and keeps each piece's CRC32."""
+
+    def __init__(self, path: Path, direct: bool):
+        self.name = str(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self.direct = direct and O_DIRECT != 0
+        try:
+            self.fd = os.open(path, flags | (O_DIRECT if self.direct else 0), 0o644)
+        except OSError as e:
+            if not self.direct or e.errno != errno.EINVAL:
+                raise OSError(e.errno, e.strerror, self.name) from None
+            self.direct = False  # the filesystem refuses O_DIRECT at open (tmpfs)
+            self.fd = os.open(path, flags, 0o644)
+        self.buffer = mmap.mmap(-1, PIECE_BYTES)  # page-aligned, as O_DIRECT needs
+        self.view = memoryview(self.buffer)
+        self.filled = 0  # bytes in the buffer
+        self.position = 0  # bytes written by the caller
+        self.crc32: list[str] = []  # one per piece written
+        self.closed = False
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        done = 0
+        while done < len(data):
+            take = min(PIECE_BYTES - self.filled, len(data) - done)
+            self.view[self.filled : self.filled + take] = data[done : done + take]
+            self.filled, done = self.filled + take, done + take
+            if self.filled == PIECE_BYTES:
+                self._write_piece()
+        self.position += done
+        return done
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        """Nothing: a piece is written when full (called after every record DCP writes)."""
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def writable(self) -> bool:
+        return True
+
+    def summary(self) -> dict:
+        """This file's entry in checksums.json."""
+        return {"size": self.position, "crc32": self.crc32 or [f"{zlib.crc32(b''):08x}"]}
+
+    def close(self, failed: bool = False) -> None:
+        """Write the last piece and fsync (failed: only release the file, the save is lost)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if failed:
+                return
+            if self.filled:
+                self._write_piece()
+                if self.direct:
+                    os.ftruncate(self.fd, self.position)  # the last piece's padding
+            os.fsync(self.fd)  # (DCP's own fsync comes before close, i.e. before the last piece)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.name) from None
+        finally:
+            os.close(self.fd)
+            self.view = self.buffer = None  # (freed with the last slice of it, e.g. in a traceback)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        self.close(failed=kind is not None)
+
+    def _write_piece(self) -> None:
+        size = self.filled
+        self.crc32.append(f"{zlib.crc32(self.view[:size]):08x}")  # (zlib releases the GIL)
+        length = -(-size // ALIGNMENT) * ALIGNMENT if self.direct else size
+        self.view[size:length] = bytes(length - size)
+        written = 0
+        try:
+            while written < length:
+                try:
+                    written += os.write(self.fd, self.view[written:length])
+                except OSError as e:
+                    if not (self.direct and e.errno == errno.EINVAL and written == 0):
+                        raise
+                    # The filesystem accepted O_DIRECT at open but refuses the write: write through
+                    # the page cache from here on (nothing of this piece is written yet).
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~O_DIRECT)
+                    self.direct, length = False, size
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.name) from None
+        self.filled = 0
+
+
+class ChecksummedFiles(FileSystem):
+    """DCP's local filesystem, with data files opened as DataFile; `checksums` collects their
+    checksums.json entries by file name (written from DCP's writer threads)."""
+
+    def __init__(self, direct: bool):
+        self.direct = direct
+        self.checksums: dict[str, dict] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        path = Path(path)
+        if mode != "wb" or path.suffix != ".distcp":  # .metadata and reads: as DCP does
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with DataFile(path, self.direct) as stream:
+            yield stream
+        self.checksums[path.name] = stream.summary()
+
+
+def storage_writer(folder: Path, threads: int, direct: bool) -> FileSystemWriter:
+    """DCP's FileSystemWriter into folder through ChecksummedFiles (writer.fs.checksums)."""
+    writer = FileSystemWriter(str(folder), thread_count=threads)
+    writer.fs = ChecksummedFiles(direct)
+    return writer
