@@ -46,8 +46,8 @@ def part_backward(
 ):
     """(dq, dk, dv) of one part, given the merged out and lse of the whole row."""
     if _fused(q):
-        # cuDNN reads dout in the layout of out.
-        dout = torch.empty_like(out).copy_(dout)
+        if dout.stride() != out.stride():  # cuDNN reads dout in the layout of out
+            dout = torch.empty_like(out).copy_(dout)
         empty = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: no RNG state
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse.unsqueeze(-1), empty, empty, None, None, None,
@@ -67,13 +67,21 @@ def part_backward(
     return dq.to(q.dtype), sum_groups(dk).to(k.dtype), sum_groups(dv).to(v.dtype)
 
 
-def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The (out, lse) of the union of the parts' keys, from each part's (out, lse)."""
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], into: torch.Tensor | None = None):
+    """The (out, lse) of the union of the parts' keys, from each part's (out, lse); into: where to
+    write out (e.g. a slice of a larger output), else a new tensor.
+
+    Few passes over the outputs (they are large, the lse small): the weighted sum accumulates in
+    float32 reading each part's output once, and the final cast writes straight into `into`."""
     if len(parts) == 1:
-        return parts[0]
+        return parts[0] if into is None else (into.copy_(parts[0][0]), parts[0][1])
     lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
-    out = sum((part_lse - lse).exp().unsqueeze(-1) * part_out.float() for part_out, part_lse in parts)
-    return out.to(parts[0][0].dtype), lse
+    (first, first_lse), *rest = parts
+    out = first * (first_lse - lse).exp().unsqueeze(-1)  # float32 (the lse is)
+    for part_out, part_lse in rest:
+        out.addcmul_(part_out, (part_lse - lse).exp().unsqueeze(-1))
+    into = torch.empty_like(first) if into is None else into
+    return into.copy_(out), lse
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -143,43 +143,45 @@ class _CausalChunkAttention(torch.autograd.Function):
         halves = _halves(q, k, v)
         diagonal = [part_forward(qh, kh, vh, causal=True) for qh, kh, vh in halves]
         keys, values = exchange.finish_gather(pending)
-        outs, lses = [], []
-        for (query, _, _), own, start in zip(halves, diagonal, _chunk_starts(q, exchange)):
+        output = torch.empty_like(q)
+        lses = []
+        for (query, _, _), own, start, into in zip(
+            halves, diagonal, _chunk_starts(q, exchange), output.chunk(2, 2)
+        ):
             parts = [own]
             if start:
                 parts.append(part_forward(query, keys[:, :, :start], values[:, :, :start], causal=False))
-            out, lse = merge(parts)
-            outs.append(out)
-            lses.append(lse)
+            lses.append(merge(parts, into)[1])
         ctx.exchange = exchange
-        ctx.save_for_backward(q, k, v, keys, values, *outs, *lses)
-        return torch.cat(outs, dim=2)
+        ctx.save_for_backward(q, k, v, keys, values, output, *lses)
+        return output
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, keys, values, *saved = ctx.saved_tensors
-        outs, lses = saved[:2], saved[2:]
+        q, k, v, keys, values, output, *lses = ctx.saved_tensors
+        outs = output.chunk(2, dim=2)
         halves = _halves(q, k, v)
-        douts = dout.chunk(2, dim=2)
-        dq = [torch.zeros_like(query) for query, _, _ in halves]
+        # Each chunk's output gradient once in its output's layout (both its parts' kernels read it).
+        douts = [torch.empty_like(out).copy_(d) for out, d in zip(outs, dout.chunk(2, dim=2))]
+        dq_before = [None, None]  # from the keys before each chunk
         dkv = torch.zeros((2, *keys.shape), dtype=keys.dtype, device=keys.device)
         for i, start in enumerate(_chunk_starts(q, ctx.exchange)):
             if start:
-                dq_part, dk_part, dv_part = part_backward(
+                dq_before[i], dk_part, dv_part = part_backward(
                     douts[i], halves[i][0], keys[:, :, :start], values[:, :, :start], outs[i], lses[i], False
                 )
-                dq[i] += dq_part
                 dkv[0, :, :, :start] += dk_part
                 dkv[1, :, :, :start] += dv_part
         pending = ctx.exchange.start_scatter(dkv)
-        dk_local, dv_local = [], []
+        dq, dk_local, dv_local = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for i, (query, kh, vh) in enumerate(halves):
-            dq_part, dk_part, dv_part = part_backward(douts[i], query, kh, vh, outs[i], lses[i], True)
-            dq[i] += dq_part
-            dk_local.append(dk_part)
-            dv_local.append(dv_part)
+            dq_own, dk_part, dv_part = part_backward(douts[i], query, kh, vh, outs[i], lses[i], True)
+            into = dq.chunk(2, dim=2)[i]
+            into.copy_(dq_own) if dq_before[i] is None else torch.add(dq_own, dq_before[i], out=into)
+            dk_local.chunk(2, dim=2)[i].copy_(dk_part)
+            dv_local.chunk(2, dim=2)[i].copy_(dv_part)
         dk, dv = ctx.exchange.finish_scatter(pending)
-        return torch.cat(dq, 2), dk + torch.cat(dk_local, 2), dv + torch.cat(dv_local, 2), None
+        return dq, dk_local.add_(dk), dv_local.add_(dv), None
 
 
 def _halves(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
