@@ -76,9 +76,12 @@ class Checkpointer:
         self.pending: concurrent.futures.Future | None = None  # the async save in flight
         self.checksum_seconds = 0.0
         self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self.stager = None  # host copies of the state, refilled by every async save
-        if config.enable and config.async_mode != "disabled":
-            pinned = config.async_mode == "async_with_pinned_mem"
+        # Host copies of the state, refilled by every save: async saves write them in the background;
+        # on a GPU blocking saves write them too (into page-locked buffers the copy runs at ~50 GB/s;
+        # DCP's own copies into fresh pageable memory ran at ~1.5 GB/s on the H200, slower than the disk).
+        self.stager = None
+        if config.enable and (config.async_mode != "disabled" or torch.cuda.is_available()):
+            pinned = config.async_mode != "async"
             self.stager = Stager(pinned, optimizers.parts, self._state)
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
@@ -134,6 +137,8 @@ class Checkpointer:
             state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
         start = time.perf_counter()
         if self.config.async_mode == "disabled" or blocking or model_only:
+            if self.stager is not None and not model_only:  # (a model-only save is a one-off)
+                state = self.stager.stage_now(state)
             own = self._write(lambda writer: dcp.save(state, storage_writer=writer), partial)
             self._finish(own, partial, final)
             size = sum(f.stat().st_size for f in final.iterdir()) / 1e9 if self.is_rank0 else 0
