@@ -24,6 +24,7 @@ from models.moe import (
     update_expert_bias,
 )
 from models.spec import model_args
+from training.memory_estimate import ACTIVATION_BYTES_PER_FFN
 
 SPEC = get_model_spec("qwen3_moe")
 
@@ -343,6 +344,60 @@ def test_debug_flavor_trains(tmp_path):
     start = ["--checkpoint.initial_load_path", str(dcp_folder), "--training.steps", "1"]
     run_train([*TINY, *run[:4], *start, "--job.dump_folder", str(tmp_path / "restart")])
     assert read_metrics(tmp_path / "restart")[0]["loss"] < losses[0] - 1.5  # it started from the weights
+
+
+# ---- Memory estimate (training/memory_estimate.py) ----
+
+
+def dry_run_estimate(world: int, *overrides: str):
+    """The memory estimate of rank 0 of `world` ranks: a dry run, in this process (fake process group)."""
+    from configs import load_config
+    from training.dry_run import dry_run
+
+    return dry_run(load_config([*TINY, "--job.dry_run", "--job.dry_run_world_size", str(world), *overrides]))
+
+
+@pytest.mark.parametrize("ep, tp", [(8, 1), (4, 4)])
+def test_memory_estimate_gathers_only_this_ranks_experts(ep, tp):
+    """Qwen3-MoE 235B-A22B on 64 ranks: FSDP gathers a block's attention (its TP slice), norms and
+    router, and the n_experts / ep routed experts this rank holds (TP replicates experts and router)."""
+    layers, seq = 4, 4096  # fewer layers than the flavor's 94: the same blocks, built faster
+    run = ["--model.name", "qwen3_moe", "--model.flavor", "235B-A22B", "--model.args", f"n_layers={layers}",
+           "--training.seq_len", str(seq), "--training.local_batch_size", "1",
+           "--parallelism.tensor_parallel_degree", str(tp)]  # fmt: skip
+    estimate = dry_run_estimate(64, *run, "--parallelism.expert_parallel_degree", str(ep))
+    all_experts = dry_run_estimate(64, *run)  # no expert parallelism
+    args = model_args(SPEC, "235B-A22B", seq, 151936)
+    attention = args.dim * args.head_dim * 2 * (args.n_heads + args.n_kv_heads)  # wq, wo; wk, wv
+    norms = 2 * args.dim + 2 * args.head_dim  # attention_norm, ffn_norm; q_norm, k_norm
+    router, expert = args.n_experts * args.dim, 3 * args.dim * args.expert_hidden_dim  # expert: w1, w2, w3
+    # Two blocks (prefetch) in bf16. FSDP's 64 / tp ranks (experts: 64 / tp / ep) divide every
+    # tensor's first dimension, so nothing is padded.
+    block = attention // tp + norms + router
+    assert estimate.gathered_gib * 2**30 == 2 * 2 * (block + args.n_experts // ep * expert)
+    assert all_experts.gathered_gib * 2**30 == 2 * 2 * (block + args.n_experts * expert)
+    assert estimate.gathered_gib < all_experts.gathered_gib
+    # Activations: per layer the top_k routed experts' width, not split by TP (the logits are), and
+    # the same whatever the EP degree.
+    per_layer = ACTIVATION_BYTES_PER_FFN * args.top_k * args.expert_hidden_dim
+    expected = seq * (layers * per_layer + 6 * args.vocab_size / tp)
+    assert estimate.activations_gib * 2**30 == all_experts.activations_gib * 2**30 == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_memory_estimate_of_a_dense_model_is_unchanged(tp):
+    """Llama 3 8B on 64 ranks: the previous formulas (a block's parameters / tp, gathered twice in
+    bf16; activations per ffn unit / tp), but norms, which TP replicates, are gathered whole."""
+    estimate = dry_run_estimate(64, "--model.flavor", "8B", "--parallelism.tensor_parallel_degree", str(tp))
+    args = model_args(get_model_spec("llama3"), "8B", 32, 128256)  # tests/tiny.toml: seq_len 32, batch 4
+    with torch.device("meta"):
+        block = get_model_spec("llama3").model_cls(args).layers["0"]
+    previous = 2 * 2 * sum(p.numel() for p in block.parameters()) / tp
+    replicated_norms = 2 * 2 * 2 * args.dim * (1 - 1 / tp)  # attention_norm, ffn_norm: whole, not / tp
+    assert estimate.gathered_gib * 2**30 == pytest.approx(previous + replicated_norms, rel=1e-12)
+    per_layer = ACTIVATION_BYTES_PER_FFN * args.ffn_hidden_dim / tp
+    expected = (args.n_layers * per_layer + 6 * args.vocab_size / tp) * 4 * 32
+    assert estimate.activations_gib * 2**30 == pytest.approx(expected)
 
 
 # ---- Hugging Face conversion ----

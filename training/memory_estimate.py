@@ -1,16 +1,30 @@
 """Per-rank memory of a training step, estimated from the parallelized (meta-device) model.
 
-Exact parts, from the rank's own parameter shards: fp32 weights, fp32 gradients, AdamW's two fp32
-moments, and FSDP's gathered bf16 copies of up to two blocks at a time (prefetch). Estimated part,
-activations kept for backward, per token of a micro-batch on this rank:
+Exact, from the rank's own parameter shards: fp32 weights, fp32 gradients, AdamW's two fp32
+moments, and FSDP's gathered bf16 copies of up to two blocks at a time (prefetch). A parameter's
+gathered copy is its local shard times the ranks FSDP shards it over (rank 0's shard is the
+largest, so this is FSDP's padded size): the rank's tensor-parallel slice, or the whole tensor where
+TP replicates it (norms, an MoE layer's router and routed experts). FSDP shards a block over
+dp_shard x cp ranks; under expert parallelism an MoE layer's routed experts are sharded apart, over
+the dp_shard x cp / ep ranks that EP leaves, so a rank gathers only its own n_experts / ep experts.
 
-    per layer  ACTIVATION_BYTES_PER_FFN x ffn_hidden_dim / tp
-    logits     6 bytes x vocab / tp  (bf16 logits and their fp32-sized gradient work)
+Estimated, the activations kept for backward, per token of a micro-batch on this rank:
 
-The per-layer coefficient was measured on an H200 for compiled bf16 Llama 3 without activation
-checkpointing (docs/performance.md: 1B and 3B at seq 8192 give ~54 KB per token and layer with
-ffn 8192); full activation checkpointing keeps only each block's input plus one block's
-activations. It is an estimate: check against a measured peak before relying on it.
+    dense layer  ACTIVATION_BYTES_PER_FFN x ffn_hidden_dim / tp
+    MoE layer    ACTIVATION_BYTES_PER_FFN x (top_k x expert_hidden_dim + shared_hidden_dim / tp)
+    logits       6 bytes x vocab / tp  (bf16 logits and their fp32-sized gradient work)
+
+The coefficient was measured on an H200 for compiled bf16 Llama 3 without activation checkpointing
+(docs/performance.md: 1B and 3B at seq 8192 give ~54 KB per token and layer with ffn 8192); it
+stands for the whole block, attention included, scaled by the feed-forward width a token goes
+through. For an MoE layer that width is its top_k routed experts plus the shared experts: the dense
+fit carried over, not fitted to MoE layers (Qwen3-30B-A3B cut to 4 layers: 54.6 GiB estimated,
+51.6 GiB measured peak in docs/moe.md; `python scripts/estimate_memory.py --world-size 1 -- --config
+configs/qwen3_moe_30b_a3b.toml --model.args n_layers=4`). TP does not split the routed experts (each
+TP rank runs them on the whole sequence, models/moe_plans.py), so that part is not divided by tp;
+EP sends routed tokens to other ranks, but on balanced routing a rank receives as many as it
+sends, so nothing depends on ep. Full activation checkpointing keeps only each block's input plus
+one block's activations. Check the estimate against a measured peak before relying on it.
 """
 
 import os
@@ -21,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from configs import UserError
+from models.moe import moe_layers
 
 ACTIVATION_BYTES_PER_FFN = 6.6
 GIB = 2**30
@@ -50,26 +65,45 @@ def local_numel(param: torch.Tensor) -> int:
     return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 
+def gathered_numel(block: nn.Module, fsdp_ranks: int, ep: int) -> int:
+    """Elements FSDP all-gathers for one block on this rank: each parameter's local shard times the
+    ranks FSDP shards it over (fsdp_ranks; fsdp_ranks / ep for routed experts, see the docstring)."""
+    experts = {id(p) for moe in moe_layers(block).values() for p in moe.experts.parameters()}
+    return sum(local_numel(p) * (fsdp_ranks // ep if id(p) in experts else fsdp_ranks)
+               for p in block.parameters())  # fmt: skip
+
+
+def block_activation_bytes(block: nn.Module, args, tp: int) -> float:
+    """Bytes per token a block keeps for backward (no checkpointing), see the module docstring."""
+    moe = next(iter(moe_layers(block).values()), None)
+    if moe is None:
+        return ACTIVATION_BYTES_PER_FFN * args.ffn_hidden_dim / tp
+    width = moe.args.top_k * moe.args.expert_hidden_dim + moe.args.shared_hidden_dim / tp
+    return ACTIVATION_BYTES_PER_FFN * width
+
+
 def estimate(
     model_parts: list[nn.Module],
     args,
     tokens_per_micro_batch: int,
     tp: int,
-    fsdp: bool,
+    fsdp_ranks: int,
     ac_mode: str,
     in_flight_micro_batches: int = 1,
+    ep: int = 1,
 ) -> MemoryEstimate:
-    """tokens_per_micro_batch: this rank's (local batch x local sequence length); with pipeline
-    parallelism 1F1B keeps up to pp micro-batches in flight (in_flight_micro_batches)."""
+    """tokens_per_micro_batch: this rank's (local batch x local sequence length); fsdp_ranks: the
+    ranks FSDP shards each block over (dp_shard x cp), 0 without FSDP; ep: the expert-parallel
+    degree; with pipeline parallelism 1F1B keeps up to pp micro-batches in flight
+    (in_flight_micro_batches)."""
     local = sum(local_numel(p) for part in model_parts for p in part.parameters())
-    layers = sum(len(part.layers) for part in model_parts)
-    block_params = max((sum(p.numel() for p in block.parameters()) for part in model_parts
-                        for block in part.layers.values()), default=0)  # fmt: skip
-    per_layer = ACTIVATION_BYTES_PER_FFN * args.ffn_hidden_dim / tp
-    if ac_mode == "full":
-        per_token = layers * 2 * args.dim + per_layer  # block inputs, and one block recomputed
+    blocks = [block for part in model_parts for block in part.layers.values()]
+    block_gathered = max((gathered_numel(block, fsdp_ranks, ep) for block in blocks), default=0)
+    per_layer = [block_activation_bytes(block, args, tp) for block in blocks]
+    if ac_mode == "full":  # block inputs, and one block recomputed
+        per_token = len(blocks) * 2 * args.dim + max(per_layer, default=0)
     else:
-        per_token = layers * per_layer
+        per_token = sum(per_layer)
     has_output = any(getattr(part, "output", None) is not None for part in model_parts)
     per_token += 6 * args.vocab_size / tp if has_output else 0
     activations = per_token * tokens_per_micro_batch * in_flight_micro_batches
@@ -78,7 +112,7 @@ def estimate(
         weights_gib=4 * local / GIB,
         gradients_gib=4 * local / GIB,
         optimizer_gib=8 * local / GIB,
-        gathered_gib=(2 * 2 * block_params / tp / GIB) if fsdp else 0.0,
+        gathered_gib=2 * 2 * block_gathered / GIB,
         activations_gib=activations / GIB,
     )
 
@@ -87,8 +121,9 @@ def for_config(config, dims, model_parts: list[nn.Module], args) -> MemoryEstima
     """The estimate for this rank of a run: its parts, its micro-batch, its layout."""
     tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
     in_flight = dims.pp if dims.pp_enabled else 1
-    return estimate(model_parts, args, tokens, dims.tp, dims.fsdp_enabled,
-                    config.activation_checkpoint.mode, in_flight)  # fmt: skip
+    fsdp_ranks = dims.dp_shard * dims.cp if dims.fsdp_enabled else 0
+    return estimate(model_parts, args, tokens, dims.tp, fsdp_ranks,
+                    config.activation_checkpoint.mode, in_flight, dims.ep)  # fmt: skip
 
 
 def check_fits(estimate: MemoryEstimate, device: torch.device, local_processes: int) -> None:

@@ -56,8 +56,7 @@ class Qwen3MoeArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Feed-forward width one token goes through (top_k experts + shared experts): the
-        memory estimate scales activations by it."""
+        """Feed-forward width one token goes through (top_k experts + shared experts)."""
         return self.top_k * self.expert_hidden_dim + self.shared_hidden_dim
 
 
