@@ -117,3 +117,19 @@ def read_metrics(dump_folder: Path) -> list[dict]:
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def single_process_runs(tmp_path_factory):
+    """Single-process reference runs shared by the test modules, made on first use and kept by their
+    exact arguments (test_parallel.py and test_speed_features.py build them alike)."""
+    made = {}
+
+    def run(args: list[str]) -> list[dict]:
+        if tuple(args) not in made:
+            folder = tmp_path_factory.mktemp("single")
+            run_train([*args, "--job.dump_folder", str(folder)])
+            made[tuple(args)] = read_metrics(folder)
+        return made[tuple(args)]
+
+    return run

@@ -168,6 +168,8 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
                                      "--activation_checkpoint.mode", "selective"],
          "compile with tensor parallelism and activation checkpointing by op"),
+        ("TP vs KV heads", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
+                            "2", "--model.args", "n_kv_heads=1"], "tensor_parallel_degree 2 does not divide model n_kv_heads (1)"),
         ("tied weights x PP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.pipeline_parallel_degree",
                                "2", "--model.args", "tie_embeddings=true"], "are one tied parameter but fall on different"),
         ("EP vs ranks", ["--job.dry_run", "--job.dry_run_world_size", "2", "--model.name", "qwen3_moe",
@@ -267,8 +269,6 @@ def test_each_mistake_gives_one_clear_error_and_harms_nothing(files, tmp_path):
     [
         (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
          "training.seq_len (30) must divide into 2 x context_parallel_degree = 4 chunks"),
-        (["--parallelism.tensor_parallel_degree", "2", "--model.args", "n_kv_heads=1"],
-         "tensor_parallel_degree 2 does not divide model n_kv_heads (1)"),
     ],
 )  # fmt: skip
 def test_layout_mistakes_on_several_ranks(overrides, expected, tmp_path):

@@ -67,6 +67,16 @@ VALIDATE = [*TINY, "--training.steps", "4", "--training.global_batch_size", "8",
             "--validation.freq", "2", "--validation.steps", "2", "--validation.dataset", "python_docs"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def validated_single(tmp_path_factory):
+    """The single-process run with validation every 2 steps: its console output and records."""
+    folder = tmp_path_factory.mktemp("validated_single")
+    console = run_train(
+        [*VALIDATE, "--training.local_batch_size", "8", "--job.dump_folder", str(folder)]
+    ).stdout
+    return console, read_metrics(folder)
+
+
 @pytest.mark.parametrize(
     "nproc, overrides",
     # (data parallel: tests/test_fault_tolerance.py compares validation across FSDP 2 and replica groups)
@@ -74,14 +84,12 @@ VALIDATE = [*TINY, "--training.steps", "4", "--training.global_batch_size", "8",
      (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"])],
     ids=["pp2", "cp2"],
 )  # fmt: skip
-def test_validation_loss_is_the_same_on_every_layout(nproc, overrides, tmp_path):
-    single, other = tmp_path / "single", tmp_path / "other"
-    console = run_train(
-        [*VALIDATE, "--training.local_batch_size", "8", "--job.dump_folder", str(single)]
-    ).stdout
+def test_validation_loss_is_the_same_on_every_layout(nproc, overrides, validated_single, tmp_path):
+    console, single = validated_single
     assert "step 2 | validation loss" in console and "step 4 | validation loss" in console
+    other = tmp_path / "other"
     run_train([*VALIDATE, *overrides, "--job.dump_folder", str(other)], nproc=nproc)
-    want = {r["step"]: r for r in read_metrics(single) if "val_loss" in r}
+    want = {r["step"]: r for r in single if "val_loss" in r}
     got = {r["step"]: r for r in read_metrics(other) if "val_loss" in r}
     assert sorted(want) == sorted(got) == [2, 4]
     for step in want:

@@ -34,10 +34,10 @@ LAYOUTS = {
     # resumes onto them.
     "fsdp2_accumulate2": (2, "--training.local_batch_size 2"),
     "tp2": (2, f"{TP2} --training.local_batch_size 8"),
-    # FSDP 2 x TP 2 with loss parallelism is the tied case below (the suite's time: one fewer run).
-    "fsdp2_tp2_no_loss_parallel": (
-        4,
-        f"{TP2} --training.local_batch_size 4 --parallelism.enable_loss_parallel false",
+    # Replicated logits (no loss parallel); FSDP 2 x TP 2 is the tied case below (the suite's time).
+    "tp2_no_loss_parallel": (
+        2,
+        f"{TP2} --training.local_batch_size 8 --parallelism.enable_loss_parallel false",
     ),
     # Tied embedding and output (as Llama 3.2 1B/3B): one parameter sharded by both TP and FSDP.
     "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),
@@ -49,7 +49,8 @@ SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 # stages), several stages per rank looped (Interleaved1F1B; LoopedBFS places them alike), split
 # backward (InterleavedZeroBubble), V-shaped placement (ZBVZeroBubble, DualPipeV). GPipe and
 # LoopedBFS were run here until the suite had to pay for fault tolerance; they pass.
-SCHEDULES = ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+# 1F1B (the default) runs in pp2_accumulate4 and pp2_fsdp2_1F1B below.
+SCHEDULES = ["Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 for name in SCHEDULES:
     # 8 micro-batches of 1; PP 4 with two stages per rank needs 8 layers (model.args). At PP 4 one
     # interleaved placement (more ranks add no code path).
@@ -108,23 +109,18 @@ SHARED_WITH_REFERENCE = (
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(single_process_runs):
     """Single-process runs (local batch 8), one per model, model options and data, made on first use."""
-    made = {}
 
     def reference(model: str, overrides: list[str]) -> list[dict]:
         same = []  # the overrides that the single process shares: model and data
         for name in SHARED_WITH_REFERENCE:
             if name in overrides:
                 same += overrides[overrides.index(name) :][:2]
-        key = " ".join([model, *same])
-        if key not in made:
-            folder = tmp_path_factory.mktemp("single")
-            single = ["--model.name", model, *same, "--training.local_batch_size", "8"]
-            run_train([*COMMON, *single, "--job.dump_folder", str(folder)])
-            made[key] = read_metrics(folder)
-            assert len(made[key]) == STEPS
-        return made[key]
+        single = ["--model.name", model, *same, "--training.local_batch_size", "8"]
+        records = single_process_runs([*COMMON, *single])
+        assert len(records) == STEPS
+        return records
 
     return reference
 

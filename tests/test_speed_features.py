@@ -30,17 +30,13 @@ def inductor_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eager_runs(tmp_path_factory):
-    """Plain single-process runs, one per model and data/masking (`DOCUMENTS`), made on first use."""
-    made = {}
+def eager_runs(single_process_runs):
+    """Plain single-process runs, one per model and data/masking (`DOCUMENTS`), made on first use
+    (tests/test_parallel.py's references, built alike, are the same runs)."""
 
     def eager(model: str = "llama3", documents: bool = False) -> list[dict]:
-        if (model, documents) not in made:
-            folder = tmp_path_factory.mktemp(f"eager_{model}")
-            extra = DOCUMENTS if documents else []
-            run_train([*COMMON, *SINGLE, *extra, "--model.name", model, "--job.dump_folder", str(folder)])
-            made[model, documents] = read_metrics(folder)
-        return made[model, documents]
+        extra = DOCUMENTS if documents else []
+        return single_process_runs([*COMMON, "--model.name", model, *extra, *SINGLE])
 
     return eager
 
@@ -92,27 +88,38 @@ def test_activation_checkpointing_is_exact(mode, eager, tmp_path):
     assert_same_losses(read_metrics(tmp_path), eager, rel=0)
 
 
-def test_checkpoints_of_checkpointed_models_resume_anywhere(eager, tmp_path):
-    """Activation checkpointing's wrapper leaves no trace in checkpoint names (module.compile adds
-    none to begin with)."""
-    saving = ["--checkpoint.enable", "--checkpoint.interval", "5"]
-    first = tmp_path / "first"
-    run_train(
-        [*COMMON, *SINGLE, *saving, "--activation_checkpoint.mode", "full", "--job.dump_folder", str(first)]
-    )
-    second = tmp_path / "second"
-    (second / "checkpoint").mkdir(parents=True)
-    (first / "checkpoint" / "step-5").rename(second / "checkpoint" / "step-5")
-    run_train(
-        [*COMMON, "--training.local_batch_size", "4", *saving, "--job.dump_folder", str(second)], nproc=2
-    )
-    assert_same_losses(read_metrics(second), eager[5:], rel=1e-5)
+def test_checkpointed_and_compiled_blocks_save_under_the_plain_names():
+    """Activation checkpointing's and torch.compile's wrappers leave no trace in what a checkpoint
+    calls the model's and AdamW's tensors, so a run with either resumes on any layout without them
+    (checkpoints of the plain model resume across layouts: tests/test_checkpoint.py)."""
+    import torch
+    from test_model import build
+
+    from checkpoint.state import model_state, optimizer_state
+    from configs.schema import ActivationCheckpoint
+    from parallelisms.activation_checkpoint import apply_activation_checkpointing
+    from parallelisms.compile import apply_compile
+
+    names = []
+    for wrap in (False, True):
+        model = build()
+        if wrap:  # every 2nd block: wrapped and plain blocks side by side, all compiled
+            every_second = ActivationCheckpoint(mode="selective", selective_ac_option="2")
+            apply_activation_checkpointing(model, every_second)
+            apply_compile(model, fullgraph=True)
+            assert any("_checkpoint_wrapped_module" in name for name, _ in model.named_parameters())
+        optimizer = torch.optim.AdamW(model.parameters())
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()  # (AdamW's moments exist)
+        names.append((sorted(model_state([model])), sorted(optimizer_state([model], [optimizer]))))
+    assert names[0] == names[1] and any("exp_avg" in name for name in names[0][1])
 
 
-def test_float8_tracks_full_precision_over_300_steps(tmp_path):
+def test_float8_tracks_full_precision_over_150_steps(tmp_path):
     """torchao float8 (emulated on CPU) against float32 on the same data: the loss over the last 50
-    of 300 steps (one step's loss is too noisy at this size) within 1%."""
-    args = [*TINY, "--training.steps", "300", "--training.local_batch_size", "8",
+    of 150 steps (one step's loss is too noisy at this size) within 1% (measured: 0.15%)."""
+    args = [*TINY, "--training.steps", "150", "--training.local_batch_size", "8",
             "--lr_scheduler.warmup_steps", "20", "--optimizer.lr", "3e-3"]  # fmt: skip
     run_train([*args, "--job.dump_folder", str(tmp_path / "fp32")])
     run_train([*args, "--float8.enable", "--job.dump_folder", str(tmp_path / "fp8")])

@@ -71,16 +71,15 @@ def test_skipped_update_leaves_weights_and_moments_untouched(implementation):
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     runs = {}
-    for local in (4, 2, 1):  # accumulation 1, 2, 4
+    for local in (4, 1):  # accumulation 1 and 4
         folder = tmp_path / f"local{local}"
         run_train([*TINY, "--training.local_batch_size", str(local), "--training.global_batch_size", "4",
                    "--job.dump_folder", str(folder)])  # fmt: skip
         runs[local] = read_metrics(folder)
     reference = runs[4]
-    for local in (2, 1):
-        for a, b in zip(runs[local], reference):
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for a, b in zip(runs[1], reference):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     assert len(reference) == 6
 
 
