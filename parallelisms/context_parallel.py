@@ -161,8 +161,8 @@ class _CausalChunkAttention(torch.autograd.Function):
         q, k, v, keys, values, output, *lses = ctx.saved_tensors
         outs = output.chunk(2, dim=2)
         halves = _halves(q, k, v)
-        # Each chunk's output gradient once in its output's layout (both its parts' kernels read it).
-        douts = [torch.empty_like(out).copy_(d) for out, d in zip(outs, dout.chunk(2, dim=2))]
+        # Each chunk's output gradient made contiguous once (both its parts' kernels read it).
+        douts = [d.contiguous() for d in dout.chunk(2, dim=2)]
         dq_before = [None, None]  # from the keys before each chunk
         dkv = torch.zeros((2, *keys.shape), dtype=keys.dtype, device=keys.device)
         for i, start in enumerate(_chunk_starts(q, ctx.exchange)):
