@@ -44,9 +44,8 @@ class DataFile:
                 raise OSError(e.errno, e.strerror, self.name) from None
             self.direct = False  # the filesystem refuses O_DIRECT at open (tmpfs)
             self.fd = os.open(path, flags, 0o644)
-        self.buffer = mmap.mmap(-1, PIECE_BYTES)  # page-aligned, as O_DIRECT needs
-        self.view = memoryview(self.buffer)
-        self.array = numpy.frombuffer(self.buffer, dtype=numpy.uint8)  # (copies into it free the GIL)
+        # Page-aligned, as O_DIRECT needs; written through numpy, whose copies free the GIL.
+        self.array = numpy.frombuffer(mmap.mmap(-1, PIECE_BYTES), dtype=numpy.uint8)
         self.filled = 0  # bytes in the buffer
         self.position = 0  # bytes written by the caller
         self.crc32: list[str] = []  # one per piece written
@@ -99,7 +98,7 @@ class DataFile:
             raise OSError(e.errno, e.strerror, self.name) from None
         finally:
             os.close(self.fd)
-            self.view = self.array = self.buffer = None  # (freed with the last view of it)
+            self.array = None  # (the buffer is freed with the last view of it)
 
     def __enter__(self):
         return self
@@ -109,14 +108,14 @@ class DataFile:
 
     def _write_piece(self) -> None:
         size = self.filled
-        self.crc32.append(f"{zlib.crc32(self.view[:size]):08x}")  # (zlib releases the GIL)
+        self.crc32.append(f"{zlib.crc32(self.array[:size]):08x}")  # (zlib releases the GIL)
         length = -(-size // ALIGNMENT) * ALIGNMENT if self.direct else size
-        self.view[size:length] = bytes(length - size)
+        self.array[size:length] = 0
         written = 0
         try:
             while written < length:
                 try:
-                    written += os.write(self.fd, self.view[written:length])
+                    written += os.write(self.fd, self.array[written:length])
                 except OSError as e:
                     if not (self.direct and e.errno == errno.EINVAL and written == 0):
                         raise
