@@ -7,14 +7,13 @@ Builds state shaped like Llama 3 1B's checkpoint (untied: weights, AdamW's two m
 four, and into pinned buffers), and dcp.save of host tensors (no copies) through this
 repository's writer (checkpoint/data_files.py) with O_DIRECT, without it, and with torch.save's own
 zip CRC32 turned off; then the real blocking path, dcp.save of the GPU tensors. One JSON line per
-stage: seconds and GB/s. dd with direct I/O on the same folder says what the disk allows.
+stage: seconds and GB/s. dd on the same folder (benchmark_checkpoint.py's) says what the disk allows.
 """
 
 import argparse
 import concurrent.futures
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoint.data_files import storage_writer
+from scripts.benchmark_checkpoint import dd
 
 DIM, FFN, KV, VOCAB, LAYERS = 2048, 8192, 512, 128256, 16  # Llama 3.2 1B
 
@@ -117,13 +117,8 @@ def main() -> int:
     del host
     report("save GPU tensors, O_DIRECT (the blocking save)", save(state, folder, args.threads, True))
     report("save GPU tensors, page cache", save(state, folder, args.threads, False))
-    start = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={folder / 'dd'}", "bs=64M", "count=128", "oflag=direct"],
-                   check=True, capture_output=True)  # fmt: skip
-    report(
-        "dd 8 GiB oflag=direct (scaled to this size)",
-        (time.perf_counter() - start) * size / (8 * 2**30 / 1e9),
-    )
+    results.append({"stage": "dd 8 GiB, direct and buffered + fsync", **dd(folder, 8)})
+    print(json.dumps(results[-1]), flush=True)
     shutil.rmtree(folder)
     if args.out:
         with open(args.out, "a") as f:
