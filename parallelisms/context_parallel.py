@@ -177,7 +177,10 @@ class _CausalChunkAttention(torch.autograd.Function):
         for i, (query, kh, vh) in enumerate(halves):
             dq_own, dk_part, dv_part = part_backward(douts[i], query, kh, vh, outs[i], lses[i], True)
             into = dq.chunk(2, dim=2)[i]
-            into.copy_(dq_own) if dq_before[i] is None else torch.add(dq_own, dq_before[i], out=into)
+            if dq_before[i] is None:
+                into.copy_(dq_own)
+            else:
+                torch.add(dq_own, dq_before[i], out=into)
             dk_local.chunk(2, dim=2)[i].copy_(dk_part)
             dv_local.chunk(2, dim=2)[i].copy_(dv_part)
         dk, dv = ctx.exchange.finish_scatter(pending)
