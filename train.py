@@ -71,7 +71,7 @@ from training import distributed, profiling
 from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
 from training.fault_tolerance import FaultTolerance
-from training.grad_clip import clip_grad_norm_
+from training.grad_clip import clip_divisor, global_grad_norm
 from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
 from training.model_setup import build_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
@@ -178,11 +178,14 @@ def train(config: JobConfig) -> int:
         lr = optimizers.set_lr(step)
         micro_batches = dataloader.next_step()
         step_loss = step_runner.forward_backward(micro_batches)
-        grad_norm = clip_grad_norm_(parameters, config.training.max_norm, pp_group)
+        grad_norm = global_grad_norm(parameters, pp_group)
         if not fault_tolerance.commit():  # a replica group failed during the step: no update anywhere
             optimizers.zero_grad()
             continue
-        optimizers.step(skip=nonfinite_guard.skip_update(grad_norm, step))  # decided on the device
+        optimizers.step(  # both decided on the device; clipping is applied by the update
+            skip=nonfinite_guard.skip_update(grad_norm, step),
+            clip=clip_divisor(grad_norm, config.training.max_norm),
+        )
         optimizers.zero_grad()
         expert_balance.after_step()  # MoE: expert bias update from the step's token counts
         precompute_float8_scales(model.parts, config.float8)

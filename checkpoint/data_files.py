@@ -1,4 +1,5 @@
-"""DCP's writer with each rank's data files written past the page cache and checksummed on the way.
+"""DCP's writer with each rank's data files written past the page cache and checksummed on the way,
+and its reader with a rank's files read in parallel.
 
 DCP's FileSystemWriter writes through Python file objects: every byte is copied into the page
 cache, written back by the kernel and fsync'ed at the end (on the H200 machine a save of host
@@ -9,19 +10,28 @@ the buffer's CRC32 is taken (the piece checksums.json records, checkpoint/integr
 files need not be read back), and the buffer is written with O_DIRECT: no page-cache copy, no
 write-back at fsync. Where a filesystem refuses O_DIRECT (tmpfs, some network filesystems) or the
 platform has none, the same buffers are written the ordinary way and fsync'ed at close.
+
+DCP's FileSystemReader reads a rank's share one file after another and one tensor after another in
+the calling thread (torch.load of each record, then a copy to the tensor's device). ParallelReader
+reads the files in parallel threads, each file's records in file order (torch.load and the copies
+release the GIL).
 """
 
+import dataclasses
 import errno
 import fcntl
 import mmap
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from checkpoint.integrity import PIECE_BYTES
 
@@ -153,3 +163,34 @@ def storage_writer(folder: Path, threads: int, direct: bool) -> FileSystemWriter
     writer = FileSystemWriter(str(folder), thread_count=threads)
     writer.fs = ChecksummedFiles(direct)
     return writer
+
+
+class ParallelReader(FileSystemReader):
+    """FileSystemReader reading its plan's files in `threads` parallel threads."""
+
+    def __init__(self, folder: Path, threads: int):
+        super().__init__(str(folder))
+        self.threads = threads
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        # Byte records (train state, data cursor) change the state dict's structure: read them here.
+        # Tensors are copied into tensors that exist already, each by one thread.
+        super().read_data(
+            self._part(plan, [i for i in plan.items if i.type == LoadItemType.BYTE_IO]), planner
+        )
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            if item.type != LoadItemType.BYTE_IO:
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        offset = lambda item: self.storage_data[item.storage_index].offset
+        parts = [self._part(plan, sorted(items, key=offset)) for items in per_file.values()]
+        with ThreadPoolExecutor(max(1, min(self.threads, len(parts)))) as pool:
+            for done in [pool.submit(FileSystemReader.read_data, self, part, planner) for part in parts]:
+                done.result()  # (raises the first failure)
+        finished = Future()
+        finished.set_result(None)
+        return finished
+
+    @staticmethod
+    def _part(plan: LoadPlan, items: list) -> LoadPlan:
+        return dataclasses.replace(plan, items=items)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf, integrity
-from checkpoint.data_files import storage_writer
+from checkpoint.data_files import ParallelReader, storage_writer
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
 from checkpoint.writing import Stager, describe, low_disk_note, writer_thread_errors
 from configs import UserError
@@ -290,7 +290,7 @@ class Checkpointer:
         self._check_compatible(path, saved, parts)
         state = self._state(parts)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=ParallelReader(path, self.config.writer_threads))
         except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
             raise UserError(
                 f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
@@ -359,7 +359,11 @@ class Checkpointer:
                                if name not in buffers or f"model.{name}" in saved}}  # fmt: skip
             _check_shapes(path, saved, {f"model.{n}": tuple(t.shape) for n, t in state["model"].items()})
             try:
-                dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+                dcp.load(
+                    state,
+                    storage_reader=ParallelReader(path, self.config.writer_threads),
+                    planner=DefaultLoadPlanner(allow_partial_load=True),
+                )
             except (Exception, dcp.CheckpointException) as e:
                 raise UserError(
                     f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}"

@@ -33,7 +33,9 @@ LAYOUTS = {
     # FSDP 4 and HSDP 2 x 2 are checked against the same reference by tests/test_checkpoint.py's
     # resumes onto them.
     "fsdp2_accumulate2": (2, "--training.local_batch_size 2"),
-    "tp2": (2, f"{TP2} --training.local_batch_size 8"),
+    # With fused AdamW (CUDA's default; the reference uses foreach): clipping inside its kernel
+    # (grad_scale) on DTensor gradients, partial sums included.
+    "tp2": (2, f"{TP2} --training.local_batch_size 8 --optimizer.implementation fused"),
     # Replicated logits (no loss parallel); FSDP 2 x TP 2 is the tied case below (the suite's time).
     "tp2_no_loss_parallel": (
         2,

@@ -16,6 +16,7 @@ from configs.schema import Optimizer as OptimizerConfig
 from models import get_model_spec
 from models.spec import model_args
 from training.metrics import lookup_peak_tflops
+from training.grad_clip import clip_divisor, global_grad_norm
 from training.optimizer import Optimizers, lr_factor
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
@@ -67,6 +68,36 @@ def test_skipped_update_leaves_weights_and_moments_untouched(implementation):
     assert torch.equal(snapshots[1][0], snapshots[0][0]) and torch.equal(snapshots[1][1], snapshots[0][1])
     assert snapshots[1][2] == 1 and snapshots[2][2] == 2
     assert not torch.equal(snapshots[2][0], snapshots[1][0])
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for-loop"])
+def test_clipping_by_the_update_equals_clipped_gradients(implementation):
+    """Clipping is applied by Optimizers.step (fused AdamW divides inside its kernel, through its
+    grad_scale): the same weights as torch's clip_grad_norm_ followed by an unclipped step."""
+    config = OptimizerConfig(implementation=implementation, lr=0.1)
+    runs = []
+    for fused_clip in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8))
+        optimizers = Optimizers([model], config, LRScheduler(warmup_steps=0), 10, torch.device("cpu"))
+        norms = []
+        for _ in range(3):
+            (10 * model(torch.randn(2, 4))).square().sum().backward()
+            parameters = list(model.parameters())
+            if fused_clip:
+                norm = global_grad_norm(parameters)
+                optimizers.step(skip=torch.tensor(0.0), clip=clip_divisor(norm, max_norm=0.5))
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm=0.5)
+                optimizers.step(skip=torch.tensor(0.0))
+            norms.append(float(norm))
+            optimizers.zero_grad()
+        runs.append((norms, [p.detach().clone() for p in model.parameters()]))
+    (norms, weights), (reference_norms, reference_weights) = runs
+    assert min(reference_norms) > 0.5  # clipping scaled every step
+    assert norms == pytest.approx(reference_norms, rel=1e-6)
+    for ours, theirs in zip(weights, reference_weights):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):

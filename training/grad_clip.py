@@ -14,11 +14,11 @@ def group_by_mesh(tensors: list[torch.Tensor]) -> dict:
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    parameters: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+def global_grad_norm(
+    parameters: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """Scale the gradients so that their global L2 norm is at most max_norm (0: leave them), and
-    return that norm (on the device, the same on every rank; nothing is read on the host).
+    """The global L2 norm of the gradients (on the device, the same on every rank; nothing is read
+    on the host).
 
     pp_group: with pipeline parallelism each stage holds some parameters; their norms are combined.
     """
@@ -35,13 +35,26 @@ def clip_grad_norm_(
         squared = total**2
         dist.all_reduce(squared, group=pp_group)
         total = squared.sqrt()
-    if max_norm > 0:
-        # Scale each rank's local gradient data: right for every placement (sharded, replicated, or
-        # partial sums, which TP leaves on sequence-parallel norm weights). Scaling them through
-        # DTensor's foreach multiply went wrong with torch 2.11 on CUDA: TP 2 drifted from one GPU
-        # only when clipping scaled (docs/validation.md).
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        if local:
-            torch._foreach_mul_(local, scale.to(local[0].device))
     return total
+
+
+def clip_divisor(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
+    """What the gradients are divided by so that their norm is at most max_norm (>= 1, on the
+    device); None when clipping is off (max_norm 0). Training/optimizer.py applies it: fused AdamW
+    divides inside its kernel (its `grad_scale`, the gradient scaler's hook), the others through
+    scale_grads_ first."""
+    if max_norm <= 0:
+        return None
+    return torch.clamp((total_norm.float() + 1e-6) / max_norm, min=1.0)
+
+
+@torch.no_grad()
+def scale_grads_(parameters: list[torch.Tensor], divisor: torch.Tensor) -> None:
+    """Divide every gradient by divisor. Each rank's local gradient data is scaled: right for every
+    placement (sharded, replicated, or partial sums, which TP leaves on sequence-parallel norm
+    weights). Scaling them through DTensor's foreach multiply went wrong with torch 2.11 on CUDA:
+    TP 2 drifted from one GPU only when clipping scaled (docs/validation.md)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if local:
+        torch._foreach_mul_(local, divisor.reciprocal().to(local[0].device))

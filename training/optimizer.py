@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from configs.schema import LRScheduler, Optimizer
-from training.grad_clip import group_by_mesh
+from training.grad_clip import group_by_mesh, scale_grads_
 
 
 def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
@@ -79,22 +79,30 @@ class Optimizers:
                 group["lr"] = lr
         return lr
 
-    def step(self, skip: torch.Tensor | None = None) -> None:
-        """One update of every part; skip: a device flag (0. or 1.) that cancels the update.
+    def step(self, skip: torch.Tensor | None = None, clip: torch.Tensor | None = None) -> None:
+        """One update of every part. skip: a device flag (0. or 1.) that cancels the update; clip:
+        what to divide the gradients by (training/grad_clip.py's clip_divisor), or None.
 
-        Fused AdamW reads the flag on the device (as found_inf, the hook torch's gradient scaler
-        uses): moments, step counts and weights stay untouched, with no synchronization. The other
-        implementations read it on the host: free on the CPU, one synchronization on CUDA.
+        Fused AdamW takes both on the device, through the hooks torch's gradient scaler uses:
+        `found_inf` (moments, step counts and weights stay untouched) and `grad_scale` (the kernel
+        divides each gradient as it reads it: no separate pass over the gradients), with no
+        synchronization. The other implementations get the gradients divided first and read the
+        flag on the host: free on the CPU, one synchronization on CUDA.
         """
         for optimizer in self.parts:
-            if skip is None:
-                optimizer.step()
-            elif optimizer.defaults.get("fused"):
-                optimizer.found_inf = skip
-                optimizer.step()
-                del optimizer.found_inf
-            elif not skip.item():
-                optimizer.step()
+            fused = optimizer.defaults.get("fused")
+            if clip is not None and not fused:
+                scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
+            if skip is not None and not fused and skip.item():
+                continue
+            hooks = {"found_inf": skip, "grad_scale": clip} if fused else {}
+            for name, value in hooks.items():
+                if value is not None:
+                    setattr(optimizer, name, value)
+            optimizer.step()
+            for name in hooks:
+                if hasattr(optimizer, name):
+                    delattr(optimizer, name)
 
     def zero_grad(self) -> None:
         for optimizer in self.parts:
