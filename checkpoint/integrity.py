@@ -9,8 +9,8 @@ Saving (checkpoint/manager.py): each rank's data files are checksummed piece by 
 written (checkpoint/data_files.py); rank 0 gathers the results, adds .metadata and writes
 checksums.json before the checkpoint is committed. Loading: the files are shared out over the ranks
 (a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
-reads from it) and any problem stops every rank before DCP reads anything. A checkpoint without
-checksums.json (written before it existed) is loaded unverified.
+reads from it) while DCP reads the same files, and any problem stops every rank before anything read
+is used. A checkpoint without checksums.json (written before it existed) is loaded unverified.
 """
 
 import json

@@ -6,7 +6,7 @@ Layout on disk, under <dump_folder>/<checkpoint.folder>:
     step-100.deleting/ an old checkpoint being deleted (keep_latest_k), in the background
 A save is written to step-N.partial and renamed to step-N by rank 0 once every rank has finished
 (DCP writes .metadata last, after all ranks' data) and checksums.json records every file's checksum
-(checkpoint/integrity.py), verified before anything is loaded. Re-running the same command resumes
+(checkpoint/integrity.py), verified before anything loaded is used. Re-running the same command resumes
 from the latest complete checkpoint; without one, checkpoint.initial_load_path gives starting weights.
 """
 
@@ -285,16 +285,27 @@ class Checkpointer:
     def _load_checkpoint(self, path: Path, hint: str) -> None:
         start = time.perf_counter()
         parts = [p for p in PARTS if p not in self.config.exclude_from_loading]
-        self._verify(path, hint)
         saved = _read_metadata(path)
         self._check_compatible(path, saved, parts)
         state = self._state(parts)
-        try:
-            dcp.load(state, storage_reader=ParallelReader(path, self.config.writer_threads))
-        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+        # The checksums are checked while DCP reads the same files (one pass over the disk instead
+        # of two: on the H200 machine the check alone took 11-13 s of a 1B resume); a damaged file
+        # stops every rank before anything read is used.
+        manifest = self._manifest(path)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            checking = pool.submit(self._problems, path, manifest)
+            failure = None
+            try:
+                dcp.load(state, storage_reader=ParallelReader(path, self.config.writer_threads))
+            except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+                failure = e
+            read = time.perf_counter() - start
+            problems, check_seconds = checking.result()
+        self._refuse_damaged(path, manifest, problems, check_seconds, hint)
+        if failure is not None:
             raise UserError(
-                f"checkpoint {path} could not be read ({type(e).__name__}: {first_line(e)})"
-            ) from None
+                f"checkpoint {path} could not be read ({type(failure).__name__}: {first_line(failure)})"
+            )
         if "train" in parts:  # before anything is loaded into the model
             self.train_state.check_model(state["train"]["model"], str(path), self.config.allow_model_change)
         if "model" in parts:
@@ -307,29 +318,45 @@ class Checkpointer:
             self.dataloader.load_state_dict(state["dataloader"])
         logger.info(
             f"resumed from {path} in {time.perf_counter() - start:.1f} s (step {self.train_state.step}; "
-            f"loaded {', '.join(parts)})"
+            f"loaded {', '.join(parts)}; files read and checked in {read:.1f} s)"
         )
 
     def _verify(self, path: Path, hint: str = "") -> None:
-        """Refuse a checkpoint whose files changed after they were saved. The ranks share the reading
-        (each file once, in parallel) and agree, so that every rank stops or none does."""
-        start = time.perf_counter()
+        """Refuse a checkpoint whose files changed after they were saved, before reading it."""
+        manifest = self._manifest(path)
+        self._refuse_damaged(path, manifest, *self._problems(path, manifest), hint)
+
+    def _manifest(self, path: Path) -> dict | None:
         manifest = integrity.read_manifest(path)
+        if manifest is None and self.is_rank0:
+            logger.warning(
+                f"{path} has no {integrity.MANIFEST} (saved by an older version): its files are not "
+                "checked for damage"
+            )
+        return manifest
+
+    def _problems(self, path: Path, manifest: dict | None) -> tuple[list[str], float]:
+        """This rank's share of the checksum check (each file once over the ranks, read in
+        parallel; no collectives, so it may run beside DCP's): problems found, seconds taken."""
+        start = time.perf_counter()
         if manifest is None:
-            if self.is_rank0:
-                logger.warning(
-                    f"{path} has no {integrity.MANIFEST} (saved by an older version): its files are not "
-                    "checked for damage"
-                )
+            return [], 0.0
+        mine = integrity.share(manifest, self.rank, dist.get_world_size())
+        return integrity.problems(path, manifest, mine), time.perf_counter() - start
+
+    def _refuse_damaged(
+        self, path: Path, manifest: dict | None, mine: list[str], seconds: float, hint: str
+    ) -> None:
+        """The ranks agree on the problems found, so that every rank stops or none does."""
+        if manifest is None:
             return
-        mine = integrity.problems(path, manifest, integrity.share(manifest, self.rank, dist.get_world_size()))
         everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(everyone, mine)
         found = [problem for part in everyone for problem in part]
         if found:
             more = f" (and {len(found) - 1} more files)" if len(found) > 1 else ""
-            raise UserError(f"checkpoint {path} is damaged: {found[0]}{more}; nothing was loaded{hint}")
-        logger.info(f"checked {path} against its checksums in {time.perf_counter() - start:.1f} s")
+            raise UserError(f"checkpoint {path} is damaged: {found[0]}{more}; it was not used{hint}")
+        logger.info(f"checked {path} against its checksums in {seconds:.1f} s")
 
     def _check_compatible(self, path: Path, saved: dict, parts: list[str]) -> None:
         """Refuse a checkpoint of another model, or one lacking what is to be loaded."""
