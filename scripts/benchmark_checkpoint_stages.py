@@ -113,7 +113,7 @@ def drop_from_page_cache(files: list[Path]) -> None:
             os.close(fd)
 
 
-def load_stages(state: dict, folder: Path, threads: int, report) -> None:
+def load_stages(state: dict, folder: Path, threads: int, report, dcp_reader: bool) -> None:
     target = folder / "load"
     writer = storage_writer(target, threads, True)
     dcp.save(state, storage_writer=writer)
@@ -126,18 +126,35 @@ def load_stages(state: dict, folder: Path, threads: int, report) -> None:
     def load(reader, into: dict) -> None:
         dcp.load(into, storage_reader=reader)
 
-    drop_from_page_cache(files)
-    report("checksums from the disk", timed(lambda: integrity.checksum(files)))
-    readers = {"FileSystemReader": lambda: dcp.FileSystemReader(str(target)),
-               f"ParallelReader {threads} threads": lambda: ParallelReader(target, threads)}  # fmt: skip
-    for name, reader in readers.items():
-        for cache in ("cold", "warm"):
-            if cache == "cold":
-                drop_from_page_cache(files)
-            report(f"load into GPU tensors, {name}, {cache}", timed(functools.partial(load, reader(), gpu)))
+    def check_beside(action) -> None:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            checking = pool.submit(integrity.checksum, files)
+            action()
+            checking.result()
+
+    parallel = lambda: ParallelReader(target, threads)
+    stages = {
+        "checksums from the disk": lambda: integrity.checksum(files),
+        f"load into GPU tensors, ParallelReader {threads} threads, cold": lambda: load(parallel(), gpu),
+        "checksums, then the load (as initial_load_path)": lambda: (
+            integrity.checksum(files),
+            load(parallel(), gpu),
+        ),
+        "checksums beside the load (as a resume)": lambda: check_beside(lambda: load(parallel(), gpu)),
+    }
+    if dcp_reader:
+        stages["load into GPU tensors, FileSystemReader, cold"] = lambda: load(
+            dcp.FileSystemReader(str(target)), gpu
+        )
+    for name, action in stages.items():
+        drop_from_page_cache(files)
+        report(name, timed(action))
+    report(
+        f"load into GPU tensors, ParallelReader {threads} threads, warm", timed(lambda: load(parallel(), gpu))
+    )
     assert all(torch.equal(a, b) for a, b in zip(tensors(gpu), tensors(state))), "loaded state differs"
     host = empty("cpu")
-    del gpu
+    gpu.clear()  # (frees the GPU copies)
     report(
         f"load into host tensors, ParallelReader {threads} threads, warm",
         timed(functools.partial(load, ParallelReader(target, threads), host)),
@@ -153,6 +170,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=8, help="checkpoint.writer_threads")
     parser.add_argument("--layers", type=int, default=LAYERS, help="fewer: a smaller state")
     parser.add_argument("--parts", nargs="+", choices=["save", "load"], default=["save", "load"])
+    parser.add_argument("--dcp-reader", action="store_true", help="load: also DCP's FileSystemReader")
     parser.add_argument("--out")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # DCP without a process group says so at every save
@@ -176,7 +194,7 @@ def main() -> int:
         results.append({"stage": "dd 8 GiB, direct and buffered + fsync", **dd(folder, 8)})
         print(json.dumps(results[-1]), flush=True)
     if "load" in args.parts:
-        load_stages(state, folder, args.threads, report)
+        load_stages(state, folder, args.threads, report, args.dcp_reader)
     shutil.rmtree(folder)
     if args.out:
         with open(args.out, "a") as f:
