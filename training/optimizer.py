@@ -90,19 +90,15 @@ class Optimizers:
         flag on the host: free on the CPU, one synchronization on CUDA.
         """
         for optimizer in self.parts:
-            fused = optimizer.defaults.get("fused")
-            if clip is not None and not fused:
-                scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
-            if skip is not None and not fused and skip.item():
+            if optimizer.defaults.get("fused"):
+                optimizer.found_inf, optimizer.grad_scale = skip, clip  # (None: not used)
+                optimizer.step()
+                del optimizer.found_inf, optimizer.grad_scale
                 continue
-            hooks = {"found_inf": skip, "grad_scale": clip} if fused else {}
-            for name, value in hooks.items():
-                if value is not None:
-                    setattr(optimizer, name, value)
-            optimizer.step()
-            for name in hooks:
-                if hasattr(optimizer, name):
-                    delattr(optimizer, name)
+            if clip is not None:
+                scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
+            if skip is None or not skip.item():
+                optimizer.step()
 
     def zero_grad(self) -> None:
         for optimizer in self.parts:
