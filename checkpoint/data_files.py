@@ -13,8 +13,8 @@ platform has none, the same buffers are written the ordinary way and fsync'ed at
 
 DCP's FileSystemReader reads a rank's share one file after another and one tensor after another in
 the calling thread (torch.load of each record, then a copy to the tensor's device). ParallelReader
-reads the files in parallel threads, each file's records in file order (torch.load and the copies
-release the GIL).
+reads them in parallel threads, each thread a run of records in file order (torch.load's reads and
+the copies release the GIL).
 """
 
 import dataclasses
@@ -166,7 +166,10 @@ def storage_writer(folder: Path, threads: int, direct: bool) -> FileSystemWriter
 
 
 class ParallelReader(FileSystemReader):
-    """FileSystemReader reading its plan's files in `threads` parallel threads."""
+    """FileSystemReader reading its plan's records in `threads` parallel threads: the records in
+    file order, cut into runs of about equal bytes, one run per thread (so that one large file, as
+    a conversion script writes, or the few files a rank reads after a layout change, are read in
+    parallel too)."""
 
     def __init__(self, folder: Path, threads: int):
         super().__init__(str(folder))
@@ -175,22 +178,27 @@ class ParallelReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         # Byte records (train state, data cursor) change the state dict's structure: read them here.
         # Tensors are copied into tensors that exist already, each by one thread.
-        super().read_data(
-            self._part(plan, [i for i in plan.items if i.type == LoadItemType.BYTE_IO]), planner
-        )
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            if item.type != LoadItemType.BYTE_IO:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        offset = lambda item: self.storage_data[item.storage_index].offset
-        parts = [self._part(plan, sorted(items, key=offset)) for items in per_file.values()]
-        with ThreadPoolExecutor(max(1, min(self.threads, len(parts)))) as pool:
-            for done in [pool.submit(FileSystemReader.read_data, self, part, planner) for part in parts]:
+        byte_records = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
+        super().read_data(dataclasses.replace(plan, items=byte_records), planner)
+        where = lambda item: (self.storage_data[item.storage_index].relative_path,
+                              self.storage_data[item.storage_index].offset)  # fmt: skip
+        tensors = sorted((item for item in plan.items if item.type != LoadItemType.BYTE_IO), key=where)
+        sizes = [self.storage_data[item.storage_index].length for item in tensors]
+        runs = [dataclasses.replace(plan, items=run) for run in equal_runs(tensors, sizes, self.threads)]
+        with ThreadPoolExecutor(max(1, len(runs))) as pool:
+            for done in [pool.submit(FileSystemReader.read_data, self, run, planner) for run in runs]:
                 done.result()  # (raises the first failure)
         finished = Future()
         finished.set_result(None)
         return finished
 
-    @staticmethod
-    def _part(plan: LoadPlan, items: list) -> LoadPlan:
-        return dataclasses.replace(plan, items=items)
+
+def equal_runs(items: list, sizes: list[int], count: int) -> list[list]:
+    """items cut, in order, into at most `count` non-empty runs of about equal total size."""
+    total, runs, done = sum(sizes), [], 0
+    for item, size in zip(items, sizes):
+        if not runs or (done >= total * len(runs) / count and len(runs) < count):
+            runs.append([])
+        runs[-1].append(item)
+        done += size
+    return runs

@@ -283,6 +283,32 @@ def test_data_file_names_its_file_in_a_write_error_and_falls_back_from_o_direct(
     assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(tmp_path / "full.distcp")
 
 
+def test_parallel_reader_reads_one_file_in_runs_and_equals_dcps_reader(monkeypatch, tmp_path):
+    """checkpoint/data_files.ParallelReader: a checkpoint in one file (as the conversion scripts
+    write) is read by several threads, each a run of its records of about equal bytes; the state
+    loaded is the one saved (the resume tests load every layout through it)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from checkpoint.data_files import ParallelReader, equal_runs
+
+    assert equal_runs(list("abcdef"), [1, 1, 1, 1, 1, 10], 3) == [list("abcde"), ["f"]]
+    assert equal_runs(list("ab"), [5, 5], 8) == [["a"], ["b"]] and equal_runs([], [], 4) == []
+    saved = {f"w{i}": torch.randn(32, 8) for i in range(8)} | {"step": 7}
+    warnings.filterwarnings("ignore")  # DCP without a process group says so
+    dcp.save(saved, storage_writer=FileSystemWriter(str(tmp_path), thread_count=1))
+    assert len(list(tmp_path.glob("*.distcp"))) == 1
+    runs, read = [], FileSystemReader.read_data
+    monkeypatch.setattr(FileSystemReader, "read_data", lambda self, plan, planner: (
+        runs.append(len(plan.items)), read(self, plan, planner))[1])  # fmt: skip
+    loaded = {name: torch.zeros(32, 8) for name in saved if name != "step"} | {"step": 0}
+    dcp.load(loaded, storage_reader=ParallelReader(tmp_path, 4))
+    assert runs == [1, 2, 2, 2, 2]  # the byte record, then four runs of two tensors
+    assert loaded["step"] == 7 and all(torch.equal(loaded[n], saved[n]) for n in saved if n != "step")
+
+
 def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
     folder = tmp_path / "keep"
     stray = folder / "checkpoint" / "step-3.partial"
