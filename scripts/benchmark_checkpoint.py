@@ -8,10 +8,10 @@ Trains --steps steps saving every --interval steps into a fresh folder under --f
 step's save is model-only, to keep the run short), then resumes from the last full checkpoint and
 trains to the same step. Times are train.py's own log lines (rank 0): a synchronous save's total
 and checksum seconds and its size; an async save's blocking time (staging, and the next optimizer
-step's wait for the host copy); the resume's seconds: checksum check, reading (with the check beside it) and in all. `step_tps` is each
-step's tok/s, so the steps after a save show what the background write costs; `resumed_loss` is
-the loss of the first resumed step in the uninterrupted run and after the resume (equal if the
-save was exact).
+step's wait for the host copy); the resume's seconds: the checksum check, reading with the check
+beside it, and in all. `step_tps` is each step's tok/s, so the steps after a save show what the
+background write costs; `resumed_loss` is the loss of the first resumed step in the uninterrupted
+run and after the resume (equal if the save was exact).
 --dd first measures what the disk allows: dd writing --dd-gib GiB with direct I/O and through the
 page cache.
 """

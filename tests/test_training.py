@@ -15,8 +15,8 @@ from configs.schema import LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
 from models import get_model_spec
 from models.spec import model_args
-from training.metrics import lookup_peak_tflops
 from training.grad_clip import clip_divisor, global_grad_norm
+from training.metrics import lookup_peak_tflops
 from training.optimizer import Optimizers, lr_factor
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
