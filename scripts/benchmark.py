@@ -62,6 +62,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         "memory_gib": max(r["memory_gib"] for r in records),
         "time_to_first_step_s": float(first_step.group(1)) if first_step else None,
         "final_loss": records[-1]["loss"],
+        # (float8 vs bf16 over a long run: the mean of the logged losses of the last 50 steps)
+        "mean_loss_last_50_steps": statistics.mean(
+            r["loss"] for r in records if r["step"] > records[-1]["step"] - 50
+        ),
         "wall_s": round(wall, 1),
     }
 
