@@ -118,6 +118,7 @@ class Checkpointer:
         """Write checkpoint step-<step>; returns its final path (complete once committed). A save that
         fails (disk full, folder gone, any write error) stops the run with a UserError on every rank:
         its partial folder is removed and the previous complete checkpoint is untouched."""
+        start = time.perf_counter()  # (training is blocked from here until this returns)
         self.wait()  # one save in flight at a time
         final = self.path(step)
         partial = self.folder / f"step-{step}.partial"
@@ -135,7 +136,6 @@ class Checkpointer:
         if model_only:
             dtype = getattr(torch, self.config.export_dtype)
             state["model"] = {name: tensor.to(dtype) for name, tensor in state["model"].items()}
-        start = time.perf_counter()
         if self.config.async_mode == "disabled" or blocking or model_only:
             if self.stager is not None and not model_only:  # (a model-only save is a one-off)
                 state = self.stager.stage_now(state)
@@ -288,18 +288,20 @@ class Checkpointer:
         saved = _read_metadata(path)
         self._check_compatible(path, saved, parts)
         state = self._state(parts)
+        prepared = time.perf_counter() - start
         # The checksums are checked while DCP reads the same files: one pass over the disk instead
         # of two (18 GB on the H200 machine: 10.1 s, against 14.0 s one after the other). A damaged
         # file stops every rank before anything read is used.
         manifest = self._manifest(path)
+        reader = ParallelReader(path, self.config.writer_threads)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             checking = pool.submit(self._problems, path, manifest)
             failure = None
             try:
-                dcp.load(state, storage_reader=ParallelReader(path, self.config.writer_threads))
+                dcp.load(state, storage_reader=reader)
             except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
                 failure = e
-            read = time.perf_counter() - start
+            read = time.perf_counter() - start - prepared
             problems, check_seconds = checking.result()
         self._refuse_damaged(path, manifest, problems, check_seconds, hint)
         if failure is not None:
@@ -316,9 +318,11 @@ class Checkpointer:
             self.train_state.load_dict(state["train"])
         if "dataloader" in parts:
             self.dataloader.load_state_dict(state["dataloader"])
+        parts_read = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in reader.timings.items())
         logger.info(
             f"resumed from {path} in {time.perf_counter() - start:.1f} s (step {self.train_state.step}; "
-            f"loaded {', '.join(parts)}; files read and checked in {read:.1f} s)"
+            f"loaded {', '.join(parts)}; state prepared in {prepared:.1f} s, files read in {read:.1f} s "
+            f"({parts_read}), checked beside the read in {check_seconds:.1f} s)"
         )
 
     def _verify(self, path: Path, hint: str = "") -> None:

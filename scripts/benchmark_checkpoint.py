@@ -8,10 +8,11 @@ Trains --steps steps saving every --interval steps into a fresh folder under --f
 step's save is model-only, to keep the run short), then resumes from the last full checkpoint and
 trains to the same step. Times are train.py's own log lines (rank 0): a synchronous save's total
 and checksum seconds and its size; an async save's blocking time (staging, and the next optimizer
-step's wait for the host copy); the resume's seconds: the checksum check, reading with the check
-beside it, and in all. `step_tps` is each step's tok/s, so the steps after a save show what the
-background write costs; `resumed_loss` is the loss of the first resumed step in the uninterrupted
-run and after the resume (equal if the save was exact).
+step's wait for the host copy); the resume's seconds: in all, preparing the state dict, reading
+the files (byte records, tensors) and the checksum check beside the reading. `step_tps` is each
+step's tok/s, so the steps after a save show what the background write costs; `resumed_loss` is
+the loss of the first resumed step in the uninterrupted run and after the resume (equal if the
+save was exact).
 --dd first measures what the disk allows: dd writing --dd-gib GiB with direct I/O and through the
 page cache.
 """
@@ -121,8 +122,13 @@ def main() -> int:
         loaded = re.search(r"resumed from \S+ in ([\d.]+) s", log)
         result["verify_s"] = float(checked.group(1)) if checked else None
         result["load_s"] = float(loaded.group(1)) if loaded else None
-        read = re.search(r"files read and checked in ([\d.]+) s", log)
-        result["read_and_check_s"] = float(read.group(1)) if read else None  # (load_s includes it)
+        # load_s's parts: the state dict prepared, the files read (byte records, tensors) with the
+        # checksum check beside the read
+        parts = {"prepare_s": "state prepared in", "read_s": "files read in",
+                 "byte_records_s": "byte records", "tensors_s": "tensors"}  # fmt: skip
+        for key, words in parts.items():
+            found = re.search(words + r" ([\d.]+) s", log)
+            result[key] = float(found.group(1)) if found else None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     line = json.dumps(result)

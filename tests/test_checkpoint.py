@@ -93,7 +93,9 @@ def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
 def test_resume_on_another_layout(source, nproc, overrides, reference, sources, tmp_path):
     folder = resume_from(reference if source == "single" else sources[source], tmp_path)
     result = run_train([*COMMON, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
-    assert "resumed from" in result.stdout
+    # The resume's log line names where its time went.
+    parts = r"state prepared in \S+ s, files read in \S+ s \(byte records \S+ s, tensors \S+ s\), checked"
+    assert re.search(r"resumed from .*" + parts, result.stdout), result.stdout
     assert f"training steps 6 to {STEPS}" in result.stdout and "step 6 done" in result.stdout
     assert_continues(folder, reference, rel=1e-5)
 

@@ -47,7 +47,10 @@ def select_device(choice: str) -> torch.device:
         return torch.device("cpu")
     # Growable allocator segments: far less memory lost to fragmentation between steps of different
     # allocation patterns (accumulation, pipeline micro-batches). Read when CUDA starts, so set it first.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.environ.setdefault(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+    )
     device = torch.device("cuda", local_rank())
     torch.cuda.set_device(device)
     return device
