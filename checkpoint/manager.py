@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from checkpoint import hf, integrity
 from checkpoint.data_files import ParallelReader, storage_writer
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
-from checkpoint.writing import Stager, describe, low_disk_note, writer_thread_errors
+from checkpoint.writing import SaveOnceEachValue, Stager, describe, low_disk_note, writer_thread_errors
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
@@ -139,7 +139,9 @@ class Checkpointer:
         if self.config.async_mode == "disabled" or blocking or model_only:
             if self.stager is not None and not model_only:  # (a model-only save is a one-off)
                 state = self.stager.stage_now(state)
-            own = self._write(lambda writer: dcp.save(state, storage_writer=writer), partial)
+            own = self._write(
+                lambda writer: dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue()), partial
+            )
             self._finish(own, partial, final)
             size = sum(f.stat().st_size for f in final.iterdir()) / 1e9 if self.is_rank0 else 0
             logger.info(
@@ -177,7 +179,7 @@ class Checkpointer:
     def _save_in_background(self, staged, partial: Path, final: Path, start: float) -> None:
         def write(writer) -> None:
             state = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue(), process_group=self.group)
 
         try:
             self._finish(self._write(write, partial), partial, final, self.group)

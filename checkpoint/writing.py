@@ -16,6 +16,7 @@ torch 2.11 with `KeyError: <class 'type'>` on this state.)
 import concurrent.futures
 import contextlib
 import copy
+import io
 import logging
 import shutil
 import threading
@@ -23,6 +24,8 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from configs.errors import first_line
@@ -110,6 +113,42 @@ class Stager:
         if isinstance(value, DTensor):  # (from_local would move the buffer back to the mesh's device)
             return DTensor(buffer, value._spec, requires_grad=False)
         return buffer
+
+
+class SaveOnceEachValue(DefaultSavePlanner):
+    """DCP's save planner, serializing each distinct plain value once per save.
+
+    DCP stores every non-tensor entry of the state as its own torch.save record, made in the
+    writer threads while training runs on. The optimizer's state lists its hyperparameters per
+    parameter (lr, betas, eps, ... x 147 parameters = 1,764 records at Llama 3 1B), nearly all
+    equal; serializing each takes Python time that, in an async save's writer threads, holds the
+    GIL which the training thread needs at every kernel launch (docs/performance.md). Equal plain
+    values (None, bool, int, float, str and tuples of them; equal meaning the same type and repr)
+    give the same bytes, so each is serialized once and its bytes reused: the files are byte for
+    byte what DCP's planner writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.serialized: dict[tuple, bytes] = {}  # (read and filled from DCP's writer threads)
+
+    def transform_object(self, write_item: WriteItem, object):
+        key = _plain_value_key(object) if write_item.type == WriteItemType.BYTE_IO else None
+        if key is None:
+            return super().transform_object(write_item, object)
+        data = self.serialized.get(key)
+        if data is None:
+            data = self.serialized[key] = super().transform_object(write_item, object).getvalue()
+        return io.BytesIO(data)
+
+
+def _plain_value_key(value) -> tuple | None:
+    """A key equal for values that torch.save writes identically; None for anything else."""
+    if value is None or type(value) in (bool, int, float, str):
+        return (type(value).__name__, repr(value))  # (repr: -0.0 and 0.0 differ, True and 1 too)
+    if type(value) is tuple:
+        keys = tuple(_plain_value_key(item) for item in value)
+        return None if None in keys else ("tuple", keys)
+    return None
 
 
 @contextlib.contextmanager

@@ -246,7 +246,8 @@ def test_data_file_writes_an_ordinary_files_bytes_and_checksums(direct, monkeypa
     piece = 16 * data_files.ALIGNMENT
     monkeypatch.setattr(data_files, "PIECE_BYTES", piece)
     rng = random.Random(0)
-    for name, sizes in {"a.distcp": [1, piece - 1, 3 * piece + 5, 17, piece], "empty.distcp": []}.items():
+    sizes_of = {"a.distcp": [1, piece - 1, 3 * piece + 5, 17, piece, *[700] * 200], "empty.distcp": []}
+    for name, sizes in sizes_of.items():  # (the 700-byte writes: the small-write path across pieces)
         chunks = [rng.randbytes(n) for n in sizes]
         with data_files.DataFile(tmp_path / name, direct) as stream:
             for chunk in chunks:
@@ -309,6 +310,40 @@ def test_parallel_reader_reads_one_file_in_runs_and_equals_dcps_reader(monkeypat
     dcp.load(loaded, storage_reader=ParallelReader(tmp_path, 4))
     assert runs == [1, 2, 2, 2, 2]  # the byte record, then four runs of two tensors
     assert loaded["step"] == 7 and all(torch.equal(loaded[n], saved[n]) for n in saved if n != "step")
+
+
+def test_save_planner_serializes_each_plain_value_once_and_writes_dcps_bytes(tmp_path):
+    """checkpoint/writing.SaveOnceEachValue: the files are byte for byte those of DCP's own
+    planner, while equal plain values (the optimizer's per-parameter hyperparameters) are
+    serialized once; values that look equal but save differently (0.0 / -0.0, 1 / True) stay apart."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from checkpoint.data_files import storage_writer
+    from checkpoint.state import optimizer_state
+    from checkpoint.writing import SaveOnceEachValue
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    state = {
+        "optimizer": optimizer_state([model], [optimizer]),
+        "odd": [0.0, -0.0, 1, True, (0.9, 0.95), None],
+    }
+    state["odd"] = {str(i): value for i, value in enumerate(state["odd"])}
+    warnings.filterwarnings("ignore")  # DCP without a process group says so
+    planner = SaveOnceEachValue()
+    for folder, chosen in [("ours", planner), ("dcp", DefaultSavePlanner())]:
+        dcp.save(state, storage_writer=storage_writer(tmp_path / folder, 1, False), planner=chosen)
+    for ours in sorted((tmp_path / "ours").glob("*.distcp")):
+        assert ours.read_bytes() == (tmp_path / "dcp" / ours.name).read_bytes()
+    byte_records = sum(not isinstance(v, torch.Tensor) for v in state["optimizer"].values()) + 6
+    # 4 parameters x 12 hyperparameters: serialized once per distinct value, the odd ones apart
+    assert len(planner.serialized) < byte_records / 3
+    assert {("float", "0.0"), ("float", "-0.0"), ("int", "1"), ("bool", "True")} <= set(planner.serialized)
 
 
 def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
