@@ -1,5 +1,5 @@
-"""Getting a save's bytes to disk: host copies of the state, DCP's writer threads, and what a
-failed write is called.
+"""Getting a save's bytes to disk: host copies of the state, DCP's writer threads (and the save
+planner they serialize records through), and what a failed write is called.
 
 Staging. An async save first copies every tensor it saves to host memory, so that training can
 change the weights while a background thread writes the copies; a blocking save on a GPU copies
@@ -11,6 +11,10 @@ pinned buffers on a GPU the copies run on a side stream, issued by a staging thr
 training goes on; the next optimizer step, the first thing that changes what is being copied,
 waits for them (a pre-hook on every optimizer). (torch's DefaultStager does the same but fails on
 torch 2.11 with `KeyError: <class 'type'>` on this state.)
+
+Serializing. `SaveOnceEachValue`: DCP's save planner with each distinct plain value (the
+optimizer's per-parameter hyperparameters) serialized once per save, less Python work in the
+writer threads beside training.
 """
 
 import concurrent.futures
