@@ -65,11 +65,12 @@ class DataFile:
         self.closed = False
 
     def write(self, data) -> int:
-        size = memoryview(data).nbytes
+        given = memoryview(data)
+        size = given.nbytes
         if size <= SMALL_WRITE and self.filled + size < PIECE_BYTES:
             # Record headers and pickles (~11 calls per record): a slice assignment costs less
             # than numpy's per-call setup, and holding the GIL for a few KB does not matter.
-            self.view[self.filled : self.filled + size] = memoryview(data).cast("B")
+            self.view[self.filled : self.filled + size] = given.cast("B")
             self.filled += size
             self.position += size
             return size
