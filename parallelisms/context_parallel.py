@@ -135,20 +135,21 @@ class _CausalChunkAttention(torch.autograd.Function):
     chunk's keys (square causal mask; local, so computed while K/V are gathered) and every key
     before the chunk (no mask), merged by log-sum-exp (parallelisms/attention_parts.py). Backward
     computes the gathered keys' gradients first and reduce-scatters them while the local parts'
-    gradients are computed."""
+    gradients are computed. The two chunks' squares (equal shapes) run as one batched kernel call."""
 
     @staticmethod
     def forward(ctx, q, k, v, exchange: KVExchange):
         pending = exchange.start_gather(torch.stack([k, v]))
-        halves = _halves(q, k, v)
-        diagonal = [part_forward(qh, kh, vh, causal=True) for qh, kh, vh in halves]
+        # Both chunks' own squares in one kernel call: the two chunks as a batch of twice the size.
+        own_out, own_lse = part_forward(*map(_chunks_as_batch, (q, k, v)), causal=True)
+        own = list(zip(_batch_as_chunks(own_out).unbind(2), _batch_as_chunks(own_lse).unbind(2)))
         keys, values = exchange.finish_gather(pending)
         output = torch.empty_like(q)
         lses = []
-        for (query, _, _), own, start, into in zip(
-            halves, diagonal, _chunk_starts(q, exchange), output.chunk(2, 2)
+        for query, own_part, start, into in zip(
+            q.chunk(2, 2), own, _chunk_starts(q, exchange), output.chunk(2, 2)
         ):
-            parts = [own]
+            parts = [own_part]
             if start:
                 parts.append(part_forward(query, keys[:, :, :start], values[:, :, :start], causal=False))
             lses.append(merge(parts, into)[1])
@@ -159,8 +160,7 @@ class _CausalChunkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, keys, values, output, *lses = ctx.saved_tensors
-        outs = output.chunk(2, dim=2)
-        halves = _halves(q, k, v)
+        outs, queries = output.chunk(2, dim=2), q.chunk(2, dim=2)
         # Each chunk's output gradient made contiguous once (both its parts' kernels read it).
         douts = [d.contiguous() for d in dout.chunk(2, dim=2)]
         dq_before = [None, None]  # from the keys before each chunk
@@ -168,28 +168,36 @@ class _CausalChunkAttention(torch.autograd.Function):
         for i, start in enumerate(_chunk_starts(q, ctx.exchange)):
             if start:
                 dq_before[i], dk_part, dv_part = part_backward(
-                    douts[i], halves[i][0], keys[:, :, :start], values[:, :, :start], outs[i], lses[i], False
+                    douts[i], queries[i], keys[:, :, :start], values[:, :, :start], outs[i], lses[i], False
                 )
                 dkv[0, :, :, :start] += dk_part
                 dkv[1, :, :, :start] += dv_part
         pending = ctx.exchange.start_scatter(dkv)
-        dq, dk_local, dv_local = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for i, (query, kh, vh) in enumerate(halves):
-            dq_own, dk_part, dv_part = part_backward(douts[i], query, kh, vh, outs[i], lses[i], True)
-            into = dq.chunk(2, dim=2)[i]
-            if dq_before[i] is None:
-                into.copy_(dq_own)
-            else:
-                torch.add(dq_own, dq_before[i], out=into)
-            dk_local.chunk(2, dim=2)[i].copy_(dk_part)
-            dv_local.chunk(2, dim=2)[i].copy_(dv_part)
+        # The chunks' own squares: one batched kernel call, as in forward.
+        dq_own, dk_local, dv_local = (
+            _batch_as_chunks(grad).flatten(2, 3)
+            for grad in part_backward(
+                _chunks_as_batch(dout), *map(_chunks_as_batch, (q, k, v, output)),
+                torch.stack(lses, dim=1).flatten(0, 1), causal=True,
+            )
+        )  # fmt: skip
+        for i in range(2):
+            if dq_before[i] is not None:
+                dq_own.chunk(2, dim=2)[i].add_(dq_before[i])
         dk, dv = ctx.exchange.finish_scatter(pending)
-        return dq, dk_local.add_(dk), dv_local.add_(dv), None
+        return dq_own, dk_local.add_(dk), dv_local.add_(dv), None
 
 
-def _halves(*tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """[(q, k, v) of the rank's first chunk, (q, k, v) of its second], split along the sequence."""
-    return list(zip(*(t.chunk(2, dim=2) for t in tensors)))
+def _chunks_as_batch(t: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, 2 x chunk, ...) -> (batch x 2, heads, chunk, ...): the rank's two chunks of
+    each sequence as two samples (a view where the layout allows, e.g. batch 1)."""
+    return t.unflatten(2, (2, -1)).transpose(1, 2).flatten(0, 1)
+
+
+def _batch_as_chunks(t: torch.Tensor) -> torch.Tensor:
+    """(batch x 2, heads, chunk, ...) -> (batch, heads, 2, chunk, ...), the inverse of
+    _chunks_as_batch up to flattening dimensions 2 and 3; indexing dimension 2 gives a chunk."""
+    return t.unflatten(0, (-1, 2)).transpose(1, 2)
 
 
 def _chunk_starts(q: torch.Tensor, exchange: KVExchange) -> list[int]:
