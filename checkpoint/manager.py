@@ -12,10 +12,12 @@ from the latest complete checkpoint; without one, checkpoint.initial_load_path g
 
 import concurrent.futures
 import logging
+import os
 import re
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -26,9 +28,11 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint import hf, integrity
-from checkpoint.data_files import ParallelReader, storage_writer
+from checkpoint.data_files import ParallelReader
+from checkpoint.staging import Stager
 from checkpoint.state import TrainState, load_model_state, load_optimizer_state, model_state, optimizer_state
-from checkpoint.writing import SaveOnceEachValue, Stager, describe, low_disk_note, writer_thread_errors
+from checkpoint.writer_process import WriterProcess, describe_staged
+from checkpoint.writing import describe, write_files
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
@@ -80,14 +84,28 @@ class Checkpointer:
         # on a GPU blocking saves write them too (into page-locked buffers the copy runs at ~50 GB/s;
         # DCP's own copies into fresh pageable memory ran at ~1.5 GB/s on the H200, slower than the disk).
         self.stager = None
-        if config.enable and (config.async_mode != "disabled" or torch.cuda.is_available()):
-            pinned = config.async_mode != "async"
-            self.stager = Stager(pinned, optimizers.parts, self._state)
-        self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         # Async saves run collectives from a background thread: give them their own group.
         self.group = dist.new_group(backend="gloo") if config.async_mode != "disabled" else None
+        self.writer: WriterProcess | None = None  # async saves' writer (checkpoint/writer_process.py)
+        if config.enable and (config.async_mode != "disabled" or torch.cuda.is_available()):
+            pinned = config.async_mode != "async"
+            in_process = config.async_mode != "disabled" and config.async_writer == "process"
+            in_process = in_process and hasattr(os, "memfd_create")  # (Linux; elsewhere a thread)
+            if in_process:
+                prefix = [f"checkpoint-writers-{uuid.uuid4().hex}/"]  # rank 0's, for the writers' group
+                dist.broadcast_object_list(prefix, src=0, group=self.group)
+                self.writer = WriterProcess(self.rank, dist.get_world_size(), prefix[0])
+            self.stager = Stager(pinned, in_process, optimizers.parts, self._state, self._attach_writer)
+        self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
         if not config.enable and self.is_rank0:
             _warn_about_unused_saving_keys(config)
+
+    def _attach_writer(self, stager: Stager) -> None:
+        if self.writer is not None and stager.arena is not None:
+            self.writer.attach(stager.arena.fd)
+        elif self.writer is not None:  # no shared buffers after all: write from a thread
+            self.writer.close()
+            self.writer = None
 
     # ---- what is saved -------------------------------------------------------------------
     def _state(self, parts=PARTS) -> dict:
@@ -130,6 +148,8 @@ class Checkpointer:
                 partial.mkdir(parents=True)
             except OSError as e:
                 error = describe(e)
+        if self.writer is not None and not blocking:  # (started with the run: ready long since)
+            error = error or self.writer.wait_until_ready()
         self._agree(partial, final, error)
         model_only = self.config.last_save_model_only and step == self.total_steps
         state = self._state(("model",) if model_only else PARTS)
@@ -139,9 +159,7 @@ class Checkpointer:
         if self.config.async_mode == "disabled" or blocking or model_only:
             if self.stager is not None and not model_only:  # (a model-only save is a one-off)
                 state = self.stager.stage_now(state)
-            own = self._write(
-                lambda writer: dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue()), partial
-            )
+            own, self.checksum_seconds = write_files(state, partial, self.rank, *self._writing)
             self._finish(own, partial, final)
             size = sum(f.stat().st_size for f in final.iterdir()) / 1e9 if self.is_rank0 else 0
             logger.info(
@@ -152,37 +170,27 @@ class Checkpointer:
             staged = self.stager.stage(state)
             # Written, checksummed and committed in the background, as soon as the write ends.
             self.pending = self.background.submit(self._save_in_background, staged, partial, final, start)
+            writer = "writer process" if self.writer is not None else "writer thread"
             logger.info(
-                f"saving checkpoint {final} in the background (training blocked "
+                f"saving checkpoint {final} in the background by the {writer} (training blocked "
                 f"{time.perf_counter() - start:.1f} s)"
             )
         return final
 
-    def _write(self, write, partial: Path) -> dict | str:
-        """Run write(DCP storage writer into partial): this rank's files' checksums (taken while
-        they were written), or what went wrong."""
-        writer = storage_writer(partial, self.config.writer_threads, self.config.direct_io)
-        try:
-            with writer_thread_errors() as errors:
-                write(writer)
-            if errors:
-                return describe(errors[0]) + low_disk_note(partial)
-            own = writer.fs.checksums
-            start = time.perf_counter()  # files named unlike DCP's today (a later torch): read back
-            unread = [p for p in integrity.own_files(partial, self.rank) if p.name not in own]
-            own.update(integrity.checksum(unread))
-            self.checksum_seconds = time.perf_counter() - start  # this rank's, for the log
-            return own
-        except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-            return describe(e) + low_disk_note(partial)
+    @property
+    def _writing(self) -> tuple[int, bool]:
+        return self.config.writer_threads, self.config.direct_io
 
     def _save_in_background(self, staged, partial: Path, final: Path, start: float) -> None:
-        def write(writer) -> None:
+        def write():
             state = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
-            dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue(), process_group=self.group)
+            if self.writer is not None:  # (the tensors made after the buffers, if any, sent by value)
+                return self.writer.write(describe_staged(self.stager, "", state), partial, *self._writing)
+            return write_files(state, partial, self.rank, *self._writing, process_group=self.group)
 
         try:
-            self._finish(self._write(write, partial), partial, final, self.group)
+            own, self.checksum_seconds = write()
+            self._finish(own, partial, final, self.group)
         except UserError as e:  # raised on every rank at the next save or at the end
             logger.warning(f"{e} (the run stops at its next save)")
             raise
@@ -202,6 +210,8 @@ class Checkpointer:
         finally:
             self.background.shutdown()
             self._wait_for_deletion()
+            if self.writer is not None:
+                self.writer.close()
 
     def _finish(self, own: dict | str, partial: Path, final: Path, group=None) -> None:
         """Every rank has written its files (own: their checksums) or failed (own: why). Rank 0
@@ -409,8 +419,8 @@ def _warn_about_unused_saving_keys(config: Checkpoint) -> None:
     """Saving keys set with saving off: a recipe may keep them so (resuming keys set without enable
     are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
     defaults = Checkpoint()
-    keys = ("folder", "interval", "keep_latest_k", "async_mode", "writer_threads", "direct_io",
-            "last_save_model_only", "export_dtype")  # fmt: skip
+    keys = ("folder", "interval", "keep_latest_k", "async_mode", "async_writer", "writer_threads",
+            "direct_io", "last_save_model_only", "export_dtype")  # fmt: skip
     unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
     if unused:
         logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")

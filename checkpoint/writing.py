@@ -1,122 +1,56 @@
-"""Getting a save's bytes to disk: host copies of the state, DCP's writer threads (and the save
-planner they serialize records through), and what a failed write is called.
-
-Staging. An async save first copies every tensor it saves to host memory, so that training can
-change the weights while a background thread writes the copies; a blocking save on a GPU copies
-into the same kept buffers (page-locked) before writing, because DCP's own copies into fresh
-pageable memory are slower than the disk (1.4-1.7 GB/s measured on the H200, page faults). The
-host buffers are allocated (and, except for `async`, page-locked, which takes seconds and stalls
-the GPU's other work) once, right after the first optimizer step, and refilled by every save. With
-pinned buffers on a GPU the copies run on a side stream, issued by a staging thread, while
-training goes on; the next optimizer step, the first thing that changes what is being copied,
-waits for them (a pre-hook on every optimizer). (torch's DefaultStager does the same but fails on
-torch 2.11 with `KeyError: <class 'type'>` on this state.)
+"""Getting a save's bytes to disk: one rank's DCP save into its files (the same in the training
+process for a blocking save and in the writer process for an async one), the save planner its
+writer threads serialize records through, and what a failed write is called.
 
 Serializing. `SaveOnceEachValue`: DCP's save planner with each distinct plain value (the
 optimizer's per-parameter hyperparameters) serialized once per save, less Python work in the
 writer threads beside training.
 """
 
-import concurrent.futures
 import contextlib
-import copy
 import io
 import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from pathlib import Path
 
-import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
 
+from checkpoint import integrity
+from checkpoint.data_files import storage_writer
 from configs.errors import first_line
 
 logger = logging.getLogger(__name__)
 
 
-class Stager:
-    def __init__(self, pinned: bool, optimizers: list[torch.optim.Optimizer], state: Callable[[], dict]):
-        """state: what a save holds (its tensors exist once the first optimizer step made the
-        AdamW moments; the buffers are allocated then, off the saves' critical path)."""
-        self.overlapped = pinned and torch.cuda.is_available()  # pinned buffers, copies overlap training
-        self.buffers: dict[str, torch.Tensor] = {}  # host copy of each tensor, by its path in the state
-        self.copying: concurrent.futures.Future | None = None
-        if self.overlapped:
-            self.stream = torch.cuda.Stream()
-            self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="staging")
-            for optimizer in optimizers:
-                optimizer.register_step_pre_hook(lambda *_: self.wait())
-
-        def allocate_after_first_step(*_) -> None:
-            hook.remove()
-            start = time.perf_counter()
-            self._copy("", state(), fill=False)
-            size = sum(buffer.nbytes for buffer in self.buffers.values()) / 1e9
-            kind = "pinned " if self.overlapped else ""
-            took = time.perf_counter() - start
-            logger.info(f"{size:.1f} GB of {kind}host memory for checkpoints, allocated in {took:.1f} s")
-
-        hook = optimizers[-1].register_step_post_hook(allocate_after_first_step)
-
-    def stage(self, state: dict):
-        """The host copy of state (tensors into the kept buffers, the rest copied), or (overlapped)
-        a future of it."""
-        if not self.overlapped:
-            return self._copy("", state)
-        # The copies wait on the GPU, not here, for this step's update to the weights.
-        self.stream.wait_stream(torch.cuda.current_stream())
-
-        def copy_on_side_stream() -> dict:
-            with torch.cuda.stream(self.stream):
-                staged = self._copy("", state)
-            self.stream.synchronize()
-            return staged
-
-        self.copying = self.thread.submit(copy_on_side_stream)
-        return self.copying
-
-    def stage_now(self, state: dict) -> dict:
-        """The host copy of state, complete (for a blocking save)."""
-        staged = self.stage(state)
-        if self.copying is None:
-            return staged
-        copying, self.copying = self.copying, None
-        return copying.result()
-
-    def wait(self) -> None:
-        """Block until the copies are done (they read the weights the caller is about to change)."""
-        if self.copying is not None:
-            start = time.perf_counter()
-            copying, self.copying = self.copying, None
-            copying.result()
-            waited = time.perf_counter() - start
-            logger.info(f"the optimizer step waited {waited:.2f} s for the checkpoint's host copy")
-
-    def _copy(self, path: str, value, fill: bool = True):
-        """value with its tensors copied into the buffers kept for their paths (made if missing;
-        fill=False only makes them)."""
-        if isinstance(value, dict):
-            return {key: self._copy(f"{path}/{key}", item, fill) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(f"{path}/{index}", item, fill) for index, item in enumerate(value))
-        if not isinstance(value, torch.Tensor):
-            return copy.deepcopy(value)
-        local = value.to_local() if isinstance(value, DTensor) else value
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.overlapped)
-            self.buffers[path] = buffer
-        if not fill:
-            return None
-        if local.is_cuda and self.overlapped:
-            local.record_stream(self.stream)  # kept alive until the side stream has read it
-        buffer.copy_(local.detach(), non_blocking=self.overlapped)
-        if isinstance(value, DTensor):  # (from_local would move the buffer back to the mesh's device)
-            return DTensor(buffer, value._spec, requires_grad=False)
-        return buffer
+def write_files(
+    state: dict,
+    partial: Path,
+    rank: int,
+    writer_threads: int,
+    direct_io: bool,
+    process_group=None,
+    no_dist: bool = False,
+) -> tuple[dict | str, float]:
+    """DCP-save state into the folder partial: (this rank's files' checksums, taken while they were
+    written, or what went wrong; seconds spent checksumming files read back)."""
+    writer = storage_writer(partial, writer_threads, direct_io)
+    try:
+        with writer_thread_errors() as errors:
+            dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue(), process_group=process_group,
+                     no_dist=no_dist)  # fmt: skip
+        if errors:
+            return describe(errors[0]) + low_disk_note(partial), 0.0
+        own = writer.fs.checksums
+        start = time.perf_counter()  # files named unlike DCP's today (a later torch): read back
+        unread = [p for p in integrity.own_files(partial, rank) if p.name not in own]
+        own.update(integrity.checksum(unread))
+        return own, time.perf_counter() - start
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+        return describe(e) + low_disk_note(partial), 0.0
 
 
 class SaveOnceEachValue(DefaultSavePlanner):

@@ -97,8 +97,10 @@ def main() -> int:
             result["write_gb_s"] = round(size / max(total - checksums, 0.05), 2)
         background = r"saved checkpoint \S+ \(committed ([\d.]+) s after it began\)"
         result["async_total_s"] = [float(s) for s in re.findall(background, log)]
-        blocked = r"in the background \(training blocked ([\d.]+) s\)"
+        blocked = r"in the background by the writer \w+ \(training blocked ([\d.]+) s\)"
         result["async_blocked_s"] = [float(s) for s in re.findall(blocked, log)]
+        allocated = re.search(r"GB of (?:pinned )?host memory for checkpoints, allocated in ([\d.]+) s", log)
+        result["buffers_allocated_s"] = float(allocated.group(1)) if allocated else None
         waited = r"the optimizer step waited ([\d.]+) s for the checkpoint's host copy"
         result["optimizer_waited_s"] = [float(s) for s in re.findall(waited, log)]
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -217,8 +217,10 @@ def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
 
     folder = tmp_path / "async"
     # ... and through the page cache (direct_io off): still the same bytes and checksums.
-    run_train([*COMMON, *SINGLE, "--checkpoint.async_mode", "async", "--checkpoint.direct_io", "false",
-               "--job.dump_folder", str(folder)])  # fmt: skip
+    async_mode = ["--checkpoint.async_mode", "async", "--checkpoint.direct_io", "false"]
+    result = run_train([*COMMON, *SINGLE, *async_mode, "--job.dump_folder", str(folder)])
+    # Written by the writer process (checkpoint/writer_process.py), from the host buffers it shares.
+    assert f"{folder / 'checkpoint' / 'step-5'} in the background by the writer process" in result.stdout
     for step in (5, 10):
         sync, asynchronous = reference / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}"
         data = checksums(asynchronous)

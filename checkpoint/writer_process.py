@@ -1,0 +1,211 @@
+"""The process that writes async saves, so that training keeps its speed meanwhile.
+
+Writing a save is Python-heavy (DCP plans and serializes record by record). In a thread of the
+training process that work holds the GIL, which the training thread retakes at every kernel
+launch: on the H200, the steps while a thread wrote a 1B save ran at 41-54% of their speed
+(docs/performance.md). Here each rank has one writer process for the run (started after the first
+optimizer step, beside the host buffers), which maps the buffers of the staged state
+(checkpoint/staging.HostArena) and runs the same DCP save with the same storage writer and planner
+as a blocking save. Per save the training process sends only the state's structure with each
+tensor named by its place in the arena; the writer answers with its files' checksums (or what
+went wrong), and the training process commits the save as before. With several ranks the writers
+plan together in their own gloo group (on the run's rendezvous store, under a prefix of their own).
+
+The writer dies with its training process (PR_SET_PDEATHSIG): a killed run leaves only a
+`.partial` folder, never loaded. It does not use the GPU (CUDA_VISIBLE_DEVICES is empty there).
+"""
+
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from checkpoint.staging import Stager
+
+logger = logging.getLogger(__name__)
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class InArena:
+    """A tensor of the staged state, as the writer finds it: its bytes in the arena and, for a
+    DTensor's local shard, where the shard lies in the whole tensor."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    whole: tuple[int, ...] | None = None  # a shard's whole tensor's shape
+    shard_offsets: tuple[int, ...] | None = None
+
+
+def describe_staged(stager: Stager, path: str, value):
+    """The staged state with each arena tensor replaced by an InArena (other values as they are:
+    sent by value)."""
+    if isinstance(value, dict):
+        return {key: describe_staged(stager, f"{path}/{key}", item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(describe_staged(stager, f"{path}/{i}", item) for i, item in enumerate(value))
+    if not isinstance(value, torch.Tensor):
+        return value
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not stager.in_arena(path, local):
+        return value
+    described = InArena(stager.offsets[path], tuple(local.shape), local.dtype)
+    if isinstance(value, DTensor):
+        (chunk,) = value.__create_chunk_list__()  # this rank's piece: one chunk
+        described = dataclasses.replace(
+            described, whole=tuple(value.shape), shard_offsets=tuple(chunk.offsets)
+        )
+    return described
+
+
+class Shard(torch.Tensor):
+    """A rank's piece of a larger tensor, saved by DCP as it saves a DTensor's local shard (DCP
+    asks any tensor that has these methods for its write items and chunks)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # results of ops: plain tensors
+
+    @staticmethod
+    def of(local: torch.Tensor, whole: tuple[int, ...], offsets: tuple[int, ...]) -> "Shard":
+        shard = torch.Tensor._make_subclass(Shard, local)
+        shard.whole, shard.chunk = torch.Size(whole), ChunkStorageMetadata(torch.Size(offsets), local.shape)
+        return shard
+
+    def __create_write_items__(self, fqn: str, object) -> list[WriteItem]:
+        data = TensorWriteData(self.chunk, TensorProperties.create_from_tensor(self), self.whole)
+        return [WriteItem(MetadataIndex(fqn, self.chunk.offsets), WriteItemType.SHARD, tensor_data=data)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self.chunk]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return self
+
+
+class WriterProcess:
+    """The training process's end: start the writer (at the start of the run, so that it has
+    imported torch by the first save), give it the arena once it exists, hand it saves."""
+
+    def __init__(self, rank: int, world_size: int, group_prefix: str):
+        ours, theirs = socket.socketpair()
+        self.connection = Connection(ours.detach())
+        command = [sys.executable, "-m", "checkpoint.writer_process", str(theirs.fileno()), str(os.getpid()),
+                   group_prefix]  # fmt: skip
+        environment = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            CUDA_VISIBLE_DEVICES="",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
+        )
+        self.process = subprocess.Popen(command, pass_fds=(theirs.fileno(),), env=environment)
+        theirs.close()
+        self.ready = False
+
+    def wait_until_ready(self) -> str | None:
+        """Before the first save: wait until the writer has started (imported torch, joined the
+        other ranks' writers); what went wrong, if it did not."""
+        if not self.ready:
+            try:
+                self.ready = self.connection.recv() == "ready"
+            except (EOFError, OSError):
+                return f"the checkpoint writer process ended (exit code {self.process.wait()})"
+        return None
+
+    def attach(self, arena_fd: int) -> None:
+        """Share the arena (its file descriptor passed over the socket)."""
+        self.connection.send("arena")
+        reduction.send_handle(self.connection, arena_fd, self.process.pid)
+
+    def write(self, described_state: dict, partial: Path, writer_threads: int, direct_io: bool):
+        """(this rank's files' checksums or what went wrong, seconds spent checksumming)."""
+        try:
+            self.connection.send((described_state, str(partial), writer_threads, direct_io))
+            return self.connection.recv()
+        except (EOFError, OSError):
+            code = self.process.wait()
+            return f"the checkpoint writer process ended (exit code {code})", 0.0
+
+    def close(self) -> None:
+        try:
+            self.connection.send(None)
+            self.process.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
+        self.connection.close()
+
+
+def _die_with_parent(parent: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before that
+        sys.exit(1)
+
+
+def _join_writer_group(prefix: str) -> None:
+    """The writers of all ranks in one gloo group, on the store the training processes met on."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size)
+
+
+def _rebuild(arena: torch.Tensor, value):
+    if isinstance(value, dict):
+        return {key: _rebuild(arena, item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(arena, item) for item in value)
+    if not isinstance(value, InArena):
+        return value
+    count = torch.Size(value.shape).numel() * value.dtype.itemsize
+    tensor = arena[value.offset : value.offset + count].view(value.dtype).view(value.shape)
+    return tensor if value.whole is None else Shard.of(tensor, value.whole, value.shard_offsets)
+
+
+def main(connection_fd: int, parent: int, group_prefix: str) -> None:
+    import mmap
+
+    from checkpoint.writing import write_files
+
+    _die_with_parent(parent)
+    connection = Connection(connection_fd)
+    arena = None
+    rank, distributed = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        _join_writer_group(group_prefix)
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        if request == "arena":
+            arena_fd = reduction.recv_handle(connection)
+            arena = torch.frombuffer(mmap.mmap(arena_fd, os.fstat(arena_fd).st_size), dtype=torch.uint8)
+            continue
+        described_state, partial, writer_threads, direct_io = request
+        try:
+            state = _rebuild(arena, described_state)
+            reply = write_files(
+                state, Path(partial), rank, writer_threads, direct_io, no_dist=not distributed
+            )
+        except Exception as e:  # (write_files reports write errors itself)
+            reply = (f"the checkpoint writer failed: {type(e).__name__}: {e}", 0.0)
+        connection.send(reply)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    # This module imported under its own name: the parent's InArena values unpickle as that one's.
+    from checkpoint import writer_process
+
+    writer_process.main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
