@@ -190,7 +190,10 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
     while (request := connection.recv()) is not None:
         if request == "arena":
             arena_fd = reduction.recv_handle(connection)
-            arena = torch.frombuffer(mmap.mmap(arena_fd, os.fstat(arena_fd).st_size), dtype=torch.uint8)
+            size, populate = os.fstat(arena_fd).st_size, getattr(mmap, "MAP_POPULATE", 0)  # mapped at once
+            arena = torch.frombuffer(
+                mmap.mmap(arena_fd, size, flags=mmap.MAP_SHARED | populate), dtype=torch.uint8
+            )
             continue
         described_state, partial, writer_threads, direct_io = request
         try:

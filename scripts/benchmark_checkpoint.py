@@ -101,8 +101,9 @@ def main() -> int:
         result["async_blocked_s"] = [float(s) for s in re.findall(blocked, log)]
         allocated = re.search(r"GB of (?:pinned )?host memory for checkpoints, allocated in ([\d.]+) s", log)
         result["buffers_allocated_s"] = float(allocated.group(1)) if allocated else None
-        waited = r"the optimizer step waited ([\d.]+) s for the checkpoint's host copy"
-        result["optimizer_waited_s"] = [float(s) for s in re.findall(waited, log)]
+        took_over = r"the optimizer step took over the checkpoint's host copy in ([\d.]+) s \(([\d.]+) GB"
+        result["optimizer_took_over_s"] = [float(s) for s, _ in re.findall(took_over, log)]
+        result["snapshot_gb"] = [float(gb) for _, gb in re.findall(took_over, log)]
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         tps = {r["step"]: r["tps"] for r in records if "tps" in r and r.get("tps")}
         result["step_tps"] = [tps.get(step) for step in range(1, args.steps + 1)]

@@ -238,3 +238,28 @@ def test_one_gpu_saves_resume_the_run(mode, single, tmp_path):
     found = differences(records[10:], single(FP32)[10:])  # (GPU kernels need not be bitwise)
     record(f"one_gpu_resume_{mode}", 1, found)
     assert found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
+
+
+@gpus(1)
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(snapshot, monkeypatch):
+    """checkpoint/staging.py: the optimizer's pre-hook stops the staging thread part-way; the rest
+    is snapshotted on the GPU (or, without room, copied straight, the optimizer waiting on the GPU).
+    The update right after must not reach the host copies: they hold the values before it."""
+    from checkpoint import staging
+
+    if not snapshot:  # no room for snapshots
+        monkeypatch.setattr(staging._OverlappedCopies, "SPARE_BYTES", 1 << 50)
+    weights = [torch.randn(1 << 24, device="cuda") for _ in range(24)]  # 64 MB each
+    optimizer = torch.optim.SGD([torch.nn.Parameter(w) for w in weights], lr=1.0)
+    stager = staging.Stager(True, True, [optimizer], lambda: {"weights": weights})
+    optimizer.step()  # (no gradients: changes nothing; allocates the buffers)
+    before = [w.cpu() for w in weights]
+    staged = stager.stage({"weights": weights})
+    stager.wait()  # the optimizer's pre-hook, right away: most copies not yet issued
+    for w in weights:
+        w.add_(1.0)  # the update
+    copies = stager.copies
+    assert copies.issued < len(copies.copies)  # the thread was stopped part-way
+    for host, expected in zip(staged.result()["weights"], before):
+        assert torch.equal(host, expected)
