@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 ALIGN = 4096  # bytes: every buffer starts on a page
 TOUCH_THREADS = 8
+_ARENAS: list["HostArena"] = []
 
 
 class HostArena:
@@ -44,6 +45,7 @@ class HostArena:
         self.map = mmap.mmap(self.fd, self.size)
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pinned = False
+        _ARENAS.append(self)  # kept for the process's life: a later mapping may not reuse a registered range
         if pin:
             pieces = self.bytes.split(1 << 28)  # touched (allocated) in parallel, then locked at once
             with concurrent.futures.ThreadPoolExecutor(TOUCH_THREADS) as pool:
@@ -186,58 +188,69 @@ class Stager:
 
 class _OverlappedCopies:
     """One save's copies from the GPU into pinned host buffers, issued on a side stream by the
-    staging thread about GROUP_BYTES at a time (the next group issued before waiting for the last).
+    staging thread GROUP_BYTES at a time, the next group issued before waiting for the last: a GPU
+    copies to the host on one engine in issue order, so a small copy that training needs (a loss
+    read for the log) queues behind at most two groups (~10 ms), never behind the whole state.
 
     The copies take longer than a step's forward and backward when the state is large (18 GB at
     Llama 3 1B: ~0.33 s at the ~55 GB/s a GPU copies to the host), and the optimizer step must not
     change a tensor before its copy has read it. So the optimizer's pre-hook takes over: the thread
-    stops issuing, and every tensor not yet issued is first snapshotted on the GPU (a device copy,
-    ~1% of the time of the host copy) and copied to the host from the snapshot, while the optimizer
-    and the next steps run; what the GPU has no free memory for is copied from the tensor itself.
-    The optimizer's kernels wait on the GPU for the copies that read what they change: those in
-    flight when the thread stopped, and those not snapshotted (the CPU never waits)."""
+    stops issuing, every tensor not yet issued is snapshotted on the GPU (a device copy, ~1% of the
+    time of the host copy), and the thread goes on copying from the snapshots while the optimizer
+    and the next steps run; what the GPU has no free memory for is copied from the tensor itself at
+    once. The optimizer's kernels wait on the GPU for the copies that read what they change: those
+    in flight when the thread stopped, and those not snapshotted (the CPU never waits)."""
 
-    GROUP_BYTES = 1 << 28  # (at most two groups, ~10 ms of copying, are in flight when it stops)
+    GROUP_BYTES = 1 << 28
     SPARE_BYTES = 2 << 30  # GPU memory a snapshot leaves free
 
     def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream):
         self.copies, self.stream = copies, stream
         self.issued = 0  # copies[:issued] are on the side stream
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []  # (snapshot, buffer) of the rest
+        self.snapshotted = None  # event on the training stream after the snapshots
         self.stop, self.stopped, self.handed_over = threading.Event(), threading.Event(), threading.Event()
 
     def run(self, staged: dict) -> dict:
-        """(the staging thread) Issue the copies group by group until done or told to stop; return
-        staged once every copy, its own and those handed over, has finished."""
-        previous = None
+        """(the staging thread) Issue the copies group by group until done or told to stop, then
+        those from the snapshots; return staged once every copy has finished."""
         with torch.cuda.stream(self.stream):
-            while self.issued < len(self.copies) and not self.stop.is_set():
-                end, size = self.issued, 0
-                while end < len(self.copies) and (size < self.GROUP_BYTES or end == self.issued):
-                    source, buffer = self.copies[end]
-                    source.record_stream(self.stream)  # kept alive until the side stream has read it
-                    buffer.copy_(source, non_blocking=True)
-                    size, end = size + buffer.nbytes, end + 1
-                self.issued = end
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                if previous is not None:
-                    previous.synchronize()
-                previous = done
-        self.stopped.set()
-        if self.issued < len(self.copies):
-            self.handed_over.wait()
+            self.issued = self._issue_in_groups(self.copies, self.stop)
+            self.stopped.set()
+            if self.issued < len(self.copies):
+                self.handed_over.wait()
+                self.stream.wait_event(self.snapshotted)
+                self._issue_in_groups(self.snapshots, None)
         self.stream.synchronize()
+        self.snapshots = []
         return staged
 
+    def _issue_in_groups(self, copies: list, stop: threading.Event | None) -> int:
+        """Copies issued (all, or those before stop was set), at most two groups in flight."""
+        issued, previous = 0, None
+        while issued < len(copies) and not (stop is not None and stop.is_set()):
+            size = 0
+            while issued < len(copies) and (size < self.GROUP_BYTES or size == 0):
+                source, buffer = copies[issued]
+                source.record_stream(self.stream)  # kept alive until the side stream has read it
+                buffer.copy_(source, non_blocking=True)
+                size, issued = size + buffer.nbytes, issued + 1
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            if previous is not None:
+                previous.synchronize()
+            previous = done
+        return issued
+
     def take_over(self) -> int:
-        """(the training thread, before the optimizer step) Issue the copies the staging thread has
-        not; returns the bytes snapshotted on the GPU."""
+        """(the training thread, before the optimizer step) Snapshot the tensors the staging thread
+        has not copied yet and hand them back to it; returns the bytes snapshotted."""
         self.stop.set()
         self.stopped.wait()  # (at most one group's copy)
         by_thread = torch.cuda.Event()  # the end of the copies the thread issued (maybe running still)
         by_thread.record(self.stream)
         rest = self.copies[self.issued :]
-        snapshots, snapshot_bytes = [], 0
+        snapshot_bytes = 0
         if rest:
             free, _ = torch.cuda.mem_get_info()
             room = free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - self.SPARE_BYTES
@@ -245,20 +258,24 @@ class _OverlappedCopies:
                 if snapshot_bytes + source.nbytes > room:
                     break
                 try:
-                    snapshots.append((source.clone(), buffer))  # on the training stream: before the update
+                    self.snapshots.append(
+                        (source.clone(), buffer)
+                    )  # on the training stream: before the update
                 except torch.cuda.OutOfMemoryError:
                     break
                 snapshot_bytes += source.nbytes
+        direct = rest[len(self.snapshots) :]
+        if direct:  # no room to snapshot these: copied now, and the optimizer waits for them on the GPU
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                for source, buffer in snapshots + rest[len(snapshots) :]:
+                for source, buffer in direct:
                     source.record_stream(self.stream)
                     buffer.copy_(source, non_blocking=True)
-        # The optimizer's kernels wait on the GPU for every copy that reads what they change.
-        if len(snapshots) < len(rest):
             torch.cuda.current_stream().wait_stream(self.stream)
         else:
             torch.cuda.current_stream().wait_event(by_thread)
+        self.snapshotted = torch.cuda.Event()
+        self.snapshotted.record(torch.cuda.current_stream())
         self.handed_over.set()
         return snapshot_bytes
 
