@@ -50,9 +50,19 @@ class InArena:
     shard_offsets: tuple[int, ...] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class ByValue:
+    """A tensor of the staged state outside the arena (e.g. optimizer state that a parameter first
+    got after the buffers were made), sent with the request; for a DTensor its local shard."""
+
+    tensor: torch.Tensor
+    whole: tuple[int, ...] | None = None
+    shard_offsets: tuple[int, ...] | None = None
+
+
 def describe_staged(stager: Stager, path: str, value):
-    """The staged state with each arena tensor replaced by an InArena (other values as they are:
-    sent by value)."""
+    """The staged state with each tensor replaced by an InArena (or, outside the arena, ByValue);
+    other values as they are."""
     if isinstance(value, dict):
         return {key: describe_staged(stager, f"{path}/{key}", item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
@@ -60,15 +70,13 @@ def describe_staged(stager: Stager, path: str, value):
     if not isinstance(value, torch.Tensor):
         return value
     local = value._local_tensor if isinstance(value, DTensor) else value
-    if not stager.in_arena(path, local):
-        return value
-    described = InArena(stager.offsets[path], tuple(local.shape), local.dtype)
+    shard = {}
     if isinstance(value, DTensor):
         (chunk,) = value.__create_chunk_list__()  # this rank's piece: one chunk
-        described = dataclasses.replace(
-            described, whole=tuple(value.shape), shard_offsets=tuple(chunk.offsets)
-        )
-    return described
+        shard = {"whole": tuple(value.shape), "shard_offsets": tuple(chunk.offsets)}
+    if not stager.in_arena(path, local):
+        return ByValue(local, **shard)
+    return InArena(stager.offsets[path], tuple(local.shape), local.dtype, **shard)
 
 
 class Shard(torch.Tensor):
@@ -168,11 +176,22 @@ def _rebuild(arena: torch.Tensor, value):
         return {key: _rebuild(arena, item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_rebuild(arena, item) for item in value)
-    if not isinstance(value, InArena):
+    if isinstance(value, ByValue):
+        tensor = value.tensor
+    elif isinstance(value, InArena):
+        count = torch.Size(value.shape).numel() * value.dtype.itemsize
+        tensor = arena[value.offset : value.offset + count].view(value.dtype).view(value.shape)
+    else:
         return value
-    count = torch.Size(value.shape).numel() * value.dtype.itemsize
-    tensor = arena[value.offset : value.offset + count].view(value.dtype).view(value.shape)
     return tensor if value.whole is None else Shard.of(tensor, value.whole, value.shard_offsets)
+
+
+def _receive(connection: Connection):
+    """The next request; None when told to stop or when the training process is gone."""
+    try:
+        return connection.recv()
+    except (EOFError, OSError):
+        return None
 
 
 def main(connection_fd: int, parent: int, group_prefix: str) -> None:
@@ -187,7 +206,7 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
     if distributed:
         _join_writer_group(group_prefix)
     connection.send("ready")
-    while (request := connection.recv()) is not None:
+    while (request := _receive(connection)) is not None:
         if request == "arena":
             arena_fd = reduction.recv_handle(connection)
             size, populate = os.fstat(arena_fd).st_size, getattr(mmap, "MAP_POPULATE", 0)  # mapped at once

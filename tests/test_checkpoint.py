@@ -236,6 +236,57 @@ def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
         assert set(recorded[1]) == {".metadata", *data}
 
 
+def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
+    """checkpoint/writer_process.py: what the writer rebuilds from the shared buffers (and, for a
+    tensor made after them, from the request) is the staged state, and DCP plans and resolves it as
+    it does the staged state itself, DTensor shards included (here rank 2 of a 4-rank mesh)."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from checkpoint.staging import Stager
+    from checkpoint.writer_process import ByValue, InArena, _rebuild, describe_staged
+
+    dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        state = {
+            "model": {
+                "w": DTensor.from_local(torch.randn(3, 5), mesh, [Shard(0)]),  # rows 6-8 of 12
+                "norm": DTensor.from_local(torch.randn(4), mesh, [Replicate()]),
+            },
+            "optimizer": {"step": torch.tensor(7.0), "lr": 0.1},
+        }
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        stager = Stager(True, True, [optimizer], lambda: state)
+        optimizer.step()  # the buffers are made after the first step
+        state["optimizer"]["late"] = torch.ones(2)  # a tensor the buffers do not hold
+        staged = stager.stage(state)
+        described = describe_staged(stager, "", staged)
+        assert isinstance(described["model"]["w"], InArena) and described["model"]["w"].shard_offsets == (
+            6,
+            0,
+        )
+        assert isinstance(described["optimizer"]["late"], ByValue)
+        rebuilt = _rebuild(stager.arena.bytes, pickle.loads(pickle.dumps(described)))
+        plans = []
+        for candidate in (staged, rebuilt):
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(candidate, is_coordinator=True)
+            items = sorted(planner.create_local_plan().items, key=lambda item: item.index.fqn)
+            data = [planner.resolve_data(item) for item in items]
+            plans.append((items, [d if isinstance(d, torch.Tensor) else d.getvalue() for d in data]))
+        assert plans[0][0] == plans[1][0]
+        for ours, theirs in zip(plans[0][1], plans[1][1]):
+            assert torch.equal(ours, theirs) if isinstance(ours, torch.Tensor) else ours == theirs
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_data_file_writes_an_ordinary_files_bytes_and_checksums(direct, monkeypatch, tmp_path):
     """checkpoint/data_files.py: bytes written in pieces (the last one padded for O_DIRECT, then
