@@ -163,11 +163,15 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _join_writer_group(prefix: str) -> None:
-    """The writers of all ranks in one gloo group, on the store the training processes met on."""
+    """The writers of all ranks in one gloo group, on the store the training processes met on
+    (alone: a group of one, as train.py makes for one process)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size)
 
 
@@ -202,9 +206,7 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
     _die_with_parent(parent)
     connection = Connection(connection_fd)
     arena = None
-    rank, distributed = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]) > 1
-    if distributed:
-        _join_writer_group(group_prefix)
+    _join_writer_group(group_prefix)
     connection.send("ready")
     while (request := _receive(connection)) is not None:
         if request == "arena":
@@ -217,9 +219,7 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
         described_state, partial, writer_threads, direct_io = request
         try:
             state = _rebuild(arena, described_state)
-            reply = write_files(
-                state, Path(partial), rank, writer_threads, direct_io, no_dist=not distributed
-            )
+            reply = write_files(state, Path(partial), int(os.environ["RANK"]), writer_threads, direct_io)
         except Exception as e:  # (write_files reports write errors itself)
             reply = (f"the checkpoint writer failed: {type(e).__name__}: {e}", 0.0)
         connection.send(reply)

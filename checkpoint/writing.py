@@ -27,21 +27,14 @@ logger = logging.getLogger(__name__)
 
 
 def write_files(
-    state: dict,
-    partial: Path,
-    rank: int,
-    writer_threads: int,
-    direct_io: bool,
-    process_group=None,
-    no_dist: bool = False,
+    state: dict, partial: Path, rank: int, writer_threads: int, direct_io: bool, process_group=None
 ) -> tuple[dict | str, float]:
     """DCP-save state into the folder partial: (this rank's files' checksums, taken while they were
     written, or what went wrong; seconds spent checksumming files read back)."""
     writer = storage_writer(partial, writer_threads, direct_io)
     try:
         with writer_thread_errors() as errors:
-            dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue(), process_group=process_group,
-                     no_dist=no_dist)  # fmt: skip
+            dcp.save(state, storage_writer=writer, planner=SaveOnceEachValue(), process_group=process_group)
         if errors:
             return describe(errors[0]) + low_disk_note(partial), 0.0
         own = writer.fs.checksums
