@@ -53,13 +53,22 @@ class HostArena:
             result = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.size, 0)
             self.pinned = int(result) == 0
             if not self.pinned:
-                logger.warning(
-                    f"page-locking the checkpoint buffers failed ({result}); copies will be slower"
-                )
+                _clear_cuda_error()
+                why = torch.cuda.cudart().cudaGetErrorString(result)
+                logger.warning(f"page-locking the checkpoint buffers failed ({why}); copies will be slower")
 
     def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         count = shape.numel() * dtype.itemsize
         return self.bytes[offset : offset + count].view(dtype).view(shape)
+
+
+def _clear_cuda_error() -> None:
+    """A failed CUDA runtime call leaves its error as CUDA's last error, which the next kernel
+    launch's check would raise as its own: launch one here, whose check reads (and clears) it."""
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
 
 
 def arena_layout(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
