@@ -3,13 +3,14 @@
 Writing a save is Python-heavy (DCP plans and serializes record by record). In a thread of the
 training process that work holds the GIL, which the training thread retakes at every kernel
 launch: on the H200, the steps while a thread wrote a 1B save ran at 41-54% of their speed
-(docs/performance.md). Here each rank has one writer process for the run (started after the first
-optimizer step, beside the host buffers), which maps the buffers of the staged state
-(checkpoint/staging.HostArena) and runs the same DCP save with the same storage writer and planner
-as a blocking save. Per save the training process sends only the state's structure with each
-tensor named by its place in the arena; the writer answers with its files' checksums (or what
-went wrong), and the training process commits the save as before. With several ranks the writers
-plan together in their own gloo group (on the run's rendezvous store, under a prefix of their own).
+(docs/performance.md). Here each rank has one writer process for the run (started with it, so that
+it has imported torch by the first save; given the host buffers once they exist, after the first
+optimizer step), which maps the buffers of the staged state (checkpoint/staging.HostArena) and
+runs the same DCP save with the same storage writer and planner as a blocking save. Per save the
+training process sends only the state's structure with each tensor named by its place in the
+arena; the writer answers with its files' checksums (or what went wrong), and the training process
+commits the save as before. With several ranks the writers plan together in their own gloo group
+(on the run's rendezvous store, under a prefix of their own).
 
 The writer dies with its training process (PR_SET_PDEATHSIG): a killed run leaves only a
 `.partial` folder, never loaded. It does not use the GPU (CUDA_VISIBLE_DEVICES is empty there).
@@ -134,9 +135,13 @@ class WriterProcess:
         return None
 
     def attach(self, arena_fd: int) -> None:
-        """Share the arena (its file descriptor passed over the socket)."""
-        self.connection.send("arena")
-        reduction.send_handle(self.connection, arena_fd, self.process.pid)
+        """Share the arena (its file descriptor passed over the socket). A writer that is gone
+        fails the next save instead, with its exit code."""
+        try:
+            self.connection.send("arena")
+            reduction.send_handle(self.connection, arena_fd, self.process.pid)
+        except OSError:
+            pass
 
     def write(self, described_state: dict, partial: Path, writer_threads: int, direct_io: bool):
         """(this rank's files' checksums or what went wrong, seconds spent checksumming)."""
@@ -211,10 +216,9 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
     while (request := _receive(connection)) is not None:
         if request == "arena":
             arena_fd = reduction.recv_handle(connection)
-            size, populate = os.fstat(arena_fd).st_size, getattr(mmap, "MAP_POPULATE", 0)  # mapped at once
-            arena = torch.frombuffer(
-                mmap.mmap(arena_fd, size, flags=mmap.MAP_SHARED | populate), dtype=torch.uint8
-            )
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # (mapped at once, not page by page)
+            mapped = mmap.mmap(arena_fd, os.fstat(arena_fd).st_size, flags=flags)
+            arena = torch.frombuffer(mapped, dtype=torch.uint8)
             continue
         described_state, partial, writer_threads, direct_io = request
         try:
