@@ -209,18 +209,21 @@ def checksums(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.distcp"))}
 
 
-def test_async_save_writes_the_same_bytes_as_sync(reference, tmp_path):
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_async_save_writes_the_same_bytes_as_sync(writer, reference, tmp_path):
     """The reference saves with O_DIRECT (checkpoint.direct_io, default), this run through the page
     cache. async_with_pinned_mem takes this path too without a GPU (pinned buffers and side-stream
-    copies need CUDA: checkpoint/writing.py); on the H200 it is measured (docs/performance.md)."""
+    copies need CUDA: checkpoint/staging.py); on the H200 it is measured (docs/performance.md)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = tmp_path / "async"
     # ... and through the page cache (direct_io off): still the same bytes and checksums.
     async_mode = ["--checkpoint.async_mode", "async", "--checkpoint.direct_io", "false"]
-    result = run_train([*COMMON, *SINGLE, *async_mode, "--job.dump_folder", str(folder)])
-    # Written by the writer process (checkpoint/writer_process.py), from the host buffers it shares.
-    assert f"{folder / 'checkpoint' / 'step-5'} in the background by the writer process" in result.stdout
+    result = run_train([*COMMON, *SINGLE, *async_mode, "--checkpoint.async_writer", writer,
+                        "--job.dump_folder", str(folder)])  # fmt: skip
+    # Written by the writer process (checkpoint/writer_process.py, from the host buffers it
+    # shares) or by a thread of the training process.
+    assert f"{folder / 'checkpoint' / 'step-5'} in the background by the writer {writer}" in result.stdout
     for step in (5, 10):
         sync, asynchronous = reference / "checkpoint" / f"step-{step}", folder / "checkpoint" / f"step-{step}"
         data = checksums(asynchronous)
