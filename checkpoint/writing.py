@@ -1,5 +1,5 @@
 """Getting a save's bytes to disk: one rank's DCP save into its files (the same in the training
-process for a blocking save and in the writer process for an async one), the save planner its
+process for a blocking save and in the writer process, or thread, for an async one), the save planner its
 writer threads serialize records through, and what a failed write is called.
 
 Serializing. `SaveOnceEachValue`: DCP's save planner with each distinct plain value (the
