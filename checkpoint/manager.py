@@ -185,7 +185,7 @@ class Checkpointer:
         def write():
             state = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
             if self.writer is not None:  # (the tensors made after the buffers, if any, sent by value)
-                return self.writer.write(describe_staged(self.stager, "", state), partial, *self._writing)
+                return self.writer.write(describe_staged(self.stager, state), partial, *self._writing)
             return write_files(state, partial, self.rank, *self._writing, process_group=self.group)
 
         try:

@@ -6,9 +6,9 @@ same kept buffers (page-locked) before writing, because DCP's own copies into fr
 are slower than the disk (1.4-1.7 GB/s measured on the H200, page faults). The buffers are
 allocated once, right after the first optimizer step, and refilled by every save. With pinned
 buffers on a GPU the copies run on a side stream, issued by a staging thread, while training goes
-on; the next optimizer step, the first thing that changes what is being copied, waits for them (a
-pre-hook on every optimizer). (torch's DefaultStager does the same but fails on torch 2.11 with
-`KeyError: <class 'type'>` on this state.)
+on; the next optimizer step, the first thing that changes what is being copied, takes over what is
+not copied yet (a pre-hook on every optimizer; _OverlappedCopies). (torch's DefaultStager copies
+alike but fails on torch 2.11 with `KeyError: <class 'type'>` on this state.)
 
 On Linux all buffers are views of one `HostArena`: a memory file (memfd) that the writer process
 (checkpoint/writer_process.py) maps too, so handing a save to it copies nothing, and whose
@@ -24,7 +24,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -58,8 +58,13 @@ class HostArena:
                 logger.warning(f"page-locking the checkpoint buffers failed ({why}); copies will be slower")
 
     def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        count = shape.numel() * dtype.itemsize
-        return self.bytes[offset : offset + count].view(dtype).view(shape)
+        return arena_view(self.bytes, offset, shape, dtype)
+
+
+def arena_view(arena: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor at offset in an arena's bytes (here or as the writer process maps them)."""
+    count = torch.Size(shape).numel() * dtype.itemsize
+    return arena[offset : offset + count].view(dtype).view(shape)
 
 
 def _clear_cuda_error() -> None:
@@ -116,7 +121,7 @@ class Stager:
         hook = optimizers[-1].register_step_post_hook(allocate_after_first_step)
 
     def _allocate(self, state: dict, shared: bool) -> None:
-        locals_ = {path: local for path, local in _tensors("", state)}
+        locals_ = _tensors(state)
         if not shared:
             for path, local in locals_.items():
                 self.buffers[path] = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.overlapped)
@@ -137,9 +142,9 @@ class Stager:
         """The host copy of state (tensors into the kept buffers, the rest copied), or (overlapped)
         a future of it."""
         if not self.overlapped:
-            return self._copy("", state, None)
+            return self._copy(state, None)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, buffer), issued by the thread
-        staged = self._copy("", state, copies)
+        staged = self._copy(state, copies)
         # The copies wait on the GPU, not here, for this step's update to the weights.
         self.stream.wait_stream(torch.cuda.current_stream())
         self.copies = _OverlappedCopies(copies, self.stream)
@@ -172,27 +177,27 @@ class Stager:
         that changed shape, is not)."""
         return path in self.offsets and self.buffers.get(path) is tensor
 
-    def _copy(self, path: str, value, copies: list | None):
-        """value with its tensors copied into the buffers kept for their paths (made if missing);
+    def _copy(self, state: dict, copies: list | None):
+        """state with its tensors copied into the buffers kept for their paths (made if missing);
         copies: a list to add the (source, buffer) pairs to instead of copying them here."""
-        if isinstance(value, dict):
-            return {key: self._copy(f"{path}/{key}", item, copies) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._copy(f"{path}/{i}", item, copies) for i, item in enumerate(value))
-        if not isinstance(value, torch.Tensor):
-            return copy.deepcopy(value)
-        local = value.to_local() if isinstance(value, DTensor) else value
-        buffer = self.buffers.get(path)
-        if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
-            buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.overlapped)
-            self.buffers[path] = buffer
-        if copies is not None and local.is_cuda:
-            copies.append((local.detach(), buffer))
-        else:
-            buffer.copy_(local.detach())
-        if isinstance(value, DTensor):  # (from_local would move the buffer back to the mesh's device)
-            return DTensor(buffer, value._spec, requires_grad=False)
-        return buffer
+
+        def copy_leaf(path: str, value):
+            if not isinstance(value, torch.Tensor):
+                return copy.deepcopy(value)
+            local = value.to_local() if isinstance(value, DTensor) else value
+            buffer = self.buffers.get(path)
+            if buffer is None or buffer.shape != local.shape or buffer.dtype != local.dtype:
+                buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.overlapped)
+                self.buffers[path] = buffer
+            if copies is not None and local.is_cuda:
+                copies.append((local.detach(), buffer))
+            else:
+                buffer.copy_(local.detach())
+            if isinstance(value, DTensor):  # (from_local would move the buffer back to the mesh's device)
+                return DTensor(buffer, value._spec, requires_grad=False)
+            return buffer
+
+        return map_leaves(state, copy_leaf)
 
 
 class _OverlappedCopies:
@@ -289,13 +294,23 @@ class _OverlappedCopies:
         return snapshot_bytes
 
 
-def _tensors(path: str, value) -> Iterator[tuple[str, torch.Tensor]]:
-    """(path, local tensor) of every tensor in value, with the paths Stager._copy gives them."""
+def map_leaves(value, fn: Callable[[str, object], object], path: str = ""):
+    """value with each leaf (what is not a dict, list or tuple) replaced by fn(its path, leaf); the
+    paths ("/optimizer/state/3/exp_avg") name the buffers, in the training and writer processes."""
     if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(f"{path}/{key}", item)
-    elif isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            yield from _tensors(f"{path}/{index}", item)
-    elif isinstance(value, torch.Tensor):
-        yield path, value.to_local() if isinstance(value, DTensor) else value
+        return {key: map_leaves(item, fn, f"{path}/{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_leaves(item, fn, f"{path}/{i}") for i, item in enumerate(value))
+    return fn(path, value)
+
+
+def _tensors(state: dict) -> dict[str, torch.Tensor]:
+    """{path: local tensor} of every tensor in state."""
+    found = {}
+
+    def note(path: str, leaf) -> None:
+        if isinstance(leaf, torch.Tensor):
+            found[path] = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+
+    map_leaves(state, note)
+    return found

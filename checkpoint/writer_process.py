@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from checkpoint.staging import Stager
+from checkpoint.staging import Stager, arena_view, map_leaves
 
 logger = logging.getLogger(__name__)
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -61,23 +61,23 @@ class ByValue:
     shard_offsets: tuple[int, ...] | None = None
 
 
-def describe_staged(stager: Stager, path: str, value):
+def describe_staged(stager: Stager, state: dict) -> dict:
     """The staged state with each tensor replaced by an InArena (or, outside the arena, ByValue);
     other values as they are."""
-    if isinstance(value, dict):
-        return {key: describe_staged(stager, f"{path}/{key}", item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(describe_staged(stager, f"{path}/{i}", item) for i, item in enumerate(value))
-    if not isinstance(value, torch.Tensor):
-        return value
-    local = value._local_tensor if isinstance(value, DTensor) else value
-    shard = {}
-    if isinstance(value, DTensor):
-        (chunk,) = value.__create_chunk_list__()  # this rank's piece: one chunk
-        shard = {"whole": tuple(value.shape), "shard_offsets": tuple(chunk.offsets)}
-    if not stager.in_arena(path, local):
-        return ByValue(local, **shard)
-    return InArena(stager.offsets[path], tuple(local.shape), local.dtype, **shard)
+
+    def describe(path: str, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        shard = {}
+        if isinstance(value, DTensor):
+            (chunk,) = value.__create_chunk_list__()  # this rank's piece: one chunk
+            shard = {"whole": tuple(value.shape), "shard_offsets": tuple(chunk.offsets)}
+        if not stager.in_arena(path, local):
+            return ByValue(local, **shard)
+        return InArena(stager.offsets[path], tuple(local.shape), local.dtype, **shard)
+
+    return map_leaves(state, describe)
 
 
 class Shard(torch.Tensor):
@@ -180,19 +180,19 @@ def _join_writer_group(prefix: str) -> None:
     dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size)
 
 
-def _rebuild(arena: torch.Tensor, value):
-    if isinstance(value, dict):
-        return {key: _rebuild(arena, item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(arena, item) for item in value)
-    if isinstance(value, ByValue):
-        tensor = value.tensor
-    elif isinstance(value, InArena):
-        count = torch.Size(value.shape).numel() * value.dtype.itemsize
-        tensor = arena[value.offset : value.offset + count].view(value.dtype).view(value.shape)
-    else:
-        return value
-    return tensor if value.whole is None else Shard.of(tensor, value.whole, value.shard_offsets)
+def _rebuild(arena: torch.Tensor, described_state: dict) -> dict:
+    """The state describe_staged described, its tensors in this process's map of the arena."""
+
+    def rebuild(path: str, value):
+        if isinstance(value, ByValue):
+            tensor = value.tensor
+        elif isinstance(value, InArena):
+            tensor = arena_view(arena, value.offset, value.shape, value.dtype)
+        else:
+            return value
+        return tensor if value.whole is None else Shard.of(tensor, value.whole, value.shard_offsets)
+
+    return map_leaves(described_state, rebuild)
 
 
 def _receive(connection: Connection):

@@ -409,10 +409,11 @@ class Checkpoint(Section):
     disabled on a CPU keeps one copy of this rank's share of the checkpoint."""
 
     async_writer: Literal["process", "thread"] = "process"
-    """Who writes an async save. process: a writer process per rank, started after the first step,
-    which reads the host copies in place (shared memory; Linux, else a thread): training keeps its
-    speed while it writes. thread: a thread of the training process, whose Python work slows the
-    training thread meanwhile (docs/performance.md: steps at 41-54% of their speed on the H200)."""
+    """Who writes an async save. process: a writer process per rank, started with the run, which
+    reads the host copies in place (shared memory; Linux, else a thread): its Python work does not
+    slow training. thread: a thread of the training process, whose Python work slows the training
+    thread meanwhile (docs/performance.md: two steps at 53% of their speed on the H200, one with the
+    process)."""
 
     writer_threads: int = 8
     """Threads each rank writes its checkpoint files with (more, smaller files; DCP's

@@ -269,7 +269,7 @@ def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
         optimizer.step()  # the buffers are made after the first step
         state["optimizer"]["late"] = torch.ones(2)  # a tensor the buffers do not hold
         staged = stager.stage(state)
-        described = describe_staged(stager, "", staged)
+        described = describe_staged(stager, staged)
         assert isinstance(described["model"]["w"], InArena) and described["model"]["w"].shard_offsets == (
             6,
             0,
