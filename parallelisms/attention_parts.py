@@ -15,6 +15,8 @@ Shapes: q (batch, heads, queries, dim); k, v (batch, kv_heads, keys, dim) with h
 kv_heads (GQA); lse (batch, heads, queries), float32.
 """
 
+import functools
+
 import torch
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -72,10 +74,15 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], into: torch.Tensor | N
     """The (out, lse) of the union of the parts' keys, from each part's (out, lse); into: where to
     write out (e.g. a slice of a larger output), else a new tensor.
 
-    Few passes over the outputs (they are large, the lse small): the weighted sum accumulates in
-    float32 reading each part's output once, and the final cast writes straight into `into`."""
+    Few passes over the outputs (they are large, the lse small): on CUDA two parts are merged by
+    one compiled kernel that reads each output once and writes the merged one in its dtype; else
+    the weighted sum accumulates in float32 reading each part's output once, and the final cast
+    writes straight into `into`."""
     if len(parts) == 1:
         return parts[0] if into is None else (into.copy_(parts[0][0]), parts[0][1])
+    if len(parts) == 2 and _fused(parts[0][0]):
+        out, lse = _merge_two_compiled()(*parts[0], *parts[1])
+        return (out if into is None else into.copy_(out)), lse
     lse = torch.stack([part_lse for _, part_lse in parts]).logsumexp(dim=0)
     (first, first_lse), *rest = parts
     out = first * (first_lse - lse).exp().unsqueeze(-1)  # float32 (the lse is)
@@ -83,6 +90,17 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]], into: torch.Tensor | N
         out.addcmul_(part_out, (part_lse - lse).exp().unsqueeze(-1))
     into = torch.empty_like(first) if into is None else into
     return into.copy_(out), lse
+
+
+def _merge_two(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = (lse_a - lse).exp().unsqueeze(-1), (lse_b - lse).exp().unsqueeze(-1)
+    return (out_a.float() * weight_a + out_b.float() * weight_b).to(out_a.dtype), lse
+
+
+@functools.cache
+def _merge_two_compiled():
+    return torch.compile(_merge_two, dynamic=False)
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
