@@ -72,6 +72,7 @@ from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
 from training.fault_tolerance import FaultTolerance
 from training.grad_clip import clip_divisor, global_grad_norm
+from training.host_reads import read_float
 from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
 from training.model_setup import build_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
@@ -203,7 +204,7 @@ def train(config: JobConfig) -> int:
             extra = expert_balance.statistics()
             if config.metrics.log_sample_ids:
                 extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-            metrics.log(step, step_runner.global_loss(step_loss), grad_norm.item(), lr, extra)
+            metrics.log(step, step_runner.global_loss(step_loss), read_float(grad_norm), lr, extra)
         if validator.due(step, last_step):
             with metrics.paused():
                 metrics.log_validation(step, validator.evaluate(step_runner.evaluate))

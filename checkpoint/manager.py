@@ -148,8 +148,6 @@ class Checkpointer:
                 partial.mkdir(parents=True)
             except OSError as e:
                 error = describe(e)
-        if self.writer is not None and not blocking:  # (started with the run: ready long since)
-            error = error or self.writer.wait_until_ready()
         self._agree(partial, final, error)
         model_only = self.config.last_save_model_only and step == self.total_steps
         state = self._state(("model",) if model_only else PARTS)

@@ -263,3 +263,38 @@ def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(s
     assert copies.issued < len(copies.copies)  # the thread was stopped part-way
     for host, expected in zip(staged.result()["weights"], before):
         assert torch.equal(host, expected)
+
+
+def test_a_step_read_does_not_wait_for_another_streams_host_copies():
+    """training/host_reads.py: the values read are the tensors' values (shapes kept, float64), and
+    a read of a short step's result returns while a side stream's 8 GB copy to pinned host memory
+    (~150 ms) is still running; an ordinary .item() waits for that copy (both checked here)."""
+    from training.host_reads import to_host
+
+    values = [
+        torch.tensor(2.5, device="cuda"),
+        torch.arange(6, device="cuda").view(2, 3),
+        torch.tensor(True, device="cuda"),
+    ]
+    for read, expected in zip(to_host(*values), values):
+        assert read.dtype == torch.float64 and torch.equal(read, expected.cpu().double())
+    sources = [torch.ones(1 << 28, device="cuda") for _ in range(8)]  # 1 GB each
+    buffers = [torch.empty(1 << 28, pin_memory=True) for _ in sources]
+    a = torch.randn(4096, 4096, device="cuda")
+    to_host((a @ a).sum())  # (cuBLAS's first use synchronizes the device)
+
+    def copying_while_read(read) -> bool:
+        """Whether the side stream's copy was still running when read(step result) returned."""
+        torch.cuda.synchronize()
+        side, done = torch.cuda.Stream(), torch.cuda.Event()
+        with torch.cuda.stream(side):
+            for source, buffer in zip(sources, buffers):
+                buffer.copy_(source, non_blocking=True)
+            done.record()
+        read((a @ a).sum())
+        running = not done.query()
+        torch.cuda.synchronize()
+        return running
+
+    assert copying_while_read(lambda x: to_host(x))
+    assert not copying_while_read(lambda x: x.item())  # (why host_reads exists)

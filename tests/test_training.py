@@ -114,6 +114,16 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     assert len(reference) == 6
 
 
+def test_host_reads_are_the_values_as_float64():
+    """training/host_reads.py (the CPU path; the GPU test checks the CUDA one and why it exists)."""
+    from training.host_reads import read_float, to_host
+
+    values = [torch.tensor(2.5), torch.arange(6).view(2, 3), torch.tensor(True)]
+    for read, expected in zip(to_host(*values), values):
+        assert read.dtype == torch.float64 and torch.equal(read, expected.double())
+    assert read_float(torch.tensor(-1.25)) == -1.25
+
+
 def test_metrics_records(tmp_path):
     run_train([*TINY, "--job.dump_folder", str(tmp_path), "--metrics.log_freq", "4",
                "--metrics.enable_tensorboard", "true"])  # fmt: skip

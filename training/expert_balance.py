@@ -12,6 +12,7 @@ from torch import nn
 
 from models.moe import load_statistics, moe_layers, update_expert_bias
 from training import distributed
+from training.host_reads import to_host
 from training.weight_init import original_name
 
 
@@ -57,9 +58,10 @@ class ExpertBalance:
         idle experts over all layers, the mean balance loss, and each layer's max load."""
         per_layer = {}
         if self.counts is not None:
+            counts, aux_losses = to_host(self.counts, self.aux_losses)
             per_layer = {
-                name: {**load_statistics(counts), "aux_loss": aux.item()}
-                for name, counts, aux in zip(self.layers, self.counts, self.aux_losses)
+                name: {**load_statistics(layer_counts), "aux_loss": aux.item()}
+                for name, layer_counts, aux in zip(self.layers, counts, aux_losses)
             }
         if self.pp_group is not None:  # every stage's layers (a host collective, at logged steps only)
             stages = [None] * dist.get_world_size(self.pp_group)

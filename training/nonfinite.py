@@ -18,6 +18,8 @@ import logging
 
 import torch
 
+from training.host_reads import to_host
+
 logger = logging.getLogger(__name__)
 
 
@@ -49,7 +51,7 @@ class NonFiniteGuard:
         device: call it where the host synchronizes anyway)."""
         if self.policy == "off":
             return
-        bad_steps, first = int(self.bad_steps), int(self.first_bad_step)
+        bad_steps, first = (int(value) for value in to_host(self.bad_steps, self.first_bad_step))
         if bad_steps == self.reported:
             return
         what = f"step {first}: the loss or the gradients are not finite"
