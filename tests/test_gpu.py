@@ -265,6 +265,7 @@ def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(s
         assert torch.equal(host, expected)
 
 
+@gpus(1)
 def test_a_step_read_does_not_wait_for_another_streams_host_copies():
     """training/host_reads.py: the values read are the tensors' values (shapes kept, float64), and
     a read of a short step's result returns while a side stream's 8 GB copy to pinned host memory
