@@ -2,8 +2,10 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ SHORT_DOCUMENTS = str(REPO / "tests" / "short_documents.jsonl")
 
 
 def _env(threads: int | None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.pop("WORLD_SIZE", None)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -48,9 +50,25 @@ def run_train(
     count); threads=None leaves torch's default, for a lone process that should use every core.
     """
     command = train_command(args, nproc, repo)
-    result = subprocess.run(
-        command, cwd=cwd, env=_env(threads), capture_output=True, text=True, timeout=timeout
+    process = subprocess.Popen(
+        command, cwd=cwd, env=_env(threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # A hang: every process of the run prints its threads' Python stacks (faulthandler, on
+        # SIGABRT; PYTHONFAULTHANDLER is set), which the failure shows, and is then killed.
+        running = descendants(process.pid)
+        for pid in running:
+            _signal(pid, signal.SIGABRT)
+        time.sleep(3)
+        for pid in [process.pid, *running]:
+            _signal(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(
+            f"{' '.join(command)} did not end within {timeout} s; its processes' stacks:\n{stderr[-30000:]}"
+        ) from None
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
@@ -92,6 +110,13 @@ def descendants(pid: int) -> list[int]:
         found += below
         unvisited += below
     return found
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def fake_slurm(tmp_path: Path) -> dict[str, str]:
