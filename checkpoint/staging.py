@@ -202,9 +202,11 @@ class Stager:
 
 class _OverlappedCopies:
     """One save's copies from the GPU into pinned host buffers, issued on a side stream by the
-    staging thread GROUP_BYTES at a time, the next group issued before waiting for the last: a GPU
-    copies to the host on one engine in issue order, so a small copy that training needs (a loss
-    read for the log) queues behind at most two groups (~10 ms), never behind the whole state.
+    staging thread GROUP_BYTES at a time, the next group issued before waiting for the last, so
+    that the optimizer's take-over finds most of the state not yet issued. (Issuing in groups does
+    not let a small device-to-host copy of training's pass: measured on the H200, such a copy waits
+    until every queued host copy has ended; training reads its values through training/
+    host_reads.py instead, which uses no copy.)
 
     The copies take longer than a step's forward and backward when the state is large (18 GB at
     Llama 3 1B: ~0.33 s at the ~55 GB/s a GPU copies to the host), and the optimizer step must not
