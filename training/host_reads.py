@@ -11,6 +11,8 @@ stream only: the read returned at 30 ms in the same probe. Elsewhere (CPU, or a 
 does not check out) it is an ordinary copy.
 """
 
+import itertools
+
 import torch
 
 _MAPPED: dict[torch.device, tuple[torch.Tensor, torch.Tensor] | None] = {}
@@ -24,17 +26,15 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     if mapped is None:
         return [t.detach().to("cpu", torch.float64) for t in tensors]
     host, on_device = mapped
-    offset = 0
-    for tensor, size in zip(tensors, sizes):
+    spans = [slice(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes))]
+    for tensor, span in zip(tensors, spans):
         # A kernel writes the values (mul, not copy_: a copy of equal dtypes is a memcpy, which
         # the copy engine would queue behind the other host copies).
-        torch.mul(tensor.detach().reshape(-1), 1, out=on_device[offset : offset + size])
-        offset += size
+        torch.mul(tensor.detach().reshape(-1), 1, out=on_device[span])
     written = torch.cuda.Event()
     written.record()
     written.synchronize()
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [host[s : s + n].clone().view(t.shape) for s, n, t in zip(starts, sizes, tensors)]
+    return [host[span].clone().view(t.shape) for span, t in zip(spans, tensors)]
 
 
 def read_float(tensor: torch.Tensor) -> float:
