@@ -111,7 +111,7 @@ def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
     """kill -9 a 2-rank run saving in the background every 10 steps, after it logged steps past
     its first checkpoint (maybe during a save); the same command finishes it from the latest
     complete checkpoint, and metrics.jsonl drops the steps it redoes."""
-    steps = ["--training.steps", "60", "--checkpoint.interval", "10", "--checkpoint.async_mode", "async"]
+    steps = ["--training.steps", "30", "--checkpoint.interval", "10", "--checkpoint.async_mode", "async"]
     args = [*COMMON, *steps, "--training.local_batch_size", "4"]
     uninterrupted = tmp_path / "uninterrupted"
     off = ["--checkpoint.enable", "false", "--job.dump_folder", str(uninterrupted)]
@@ -132,15 +132,15 @@ def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
         os.kill(pid, signal.SIGKILL)
     process.wait()
     killed_at = max(logged_steps(folder))
-    assert (folder / "checkpoint" / "step-10").exists() and killed_at < 60, "killed too late"
+    assert (folder / "checkpoint" / "step-10").exists() and killed_at < 30, "killed too late"
     result = run_train([*args, "--job.dump_folder", str(folder)], nproc=2)
     resumed = int(re.search(r"resumed from \S+step-(\d+) ", result.stdout).group(1))
     assert resumed < killed_at  # steps resumed + 1 .. killed_at were logged twice
     assert f"metrics.jsonl continues after step {resumed} (" in result.stdout
     want = by_step(read_metrics(uninterrupted))
     records = read_metrics(folder)
-    assert [r["step"] for r in records] == list(range(1, 61))  # one record per step, in order
-    assert [r["loss"] for r in records] == [want[s]["loss"] for s in range(1, 61)]  # bitwise
+    assert [r["step"] for r in records] == list(range(1, 31))  # one record per step, in order
+    assert [r["loss"] for r in records] == [want[s]["loss"] for s in range(1, 31)]  # bitwise
 
 
 def tensorboard_losses(folder: Path) -> list[tuple[int, float]]:
@@ -660,11 +660,11 @@ def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
 
 
 def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
-    """Saved at EP 4, resumed at EP 2 and in one process: the uninterrupted run's losses (the
-    stacked experts and their biases reshard like any parameter)."""
+    """Saved at EP 4, resumed at EP 2 and in one process: the uninterrupted EP 4 run's losses (the
+    stacked experts and their biases reshard like any parameter; EP against one process is
+    tests/test_parallel.py's parity, so the EP 4 run is the reference here)."""
     moe = ["--model.name", "qwen3_moe", "--model.args", "score_func=sigmoid,bias_update_rate=0.01"]
-    single, ep4 = tmp_path / "single", tmp_path / "ep4"
-    run_train([*COMMON, *moe, *SINGLE, "--job.dump_folder", str(single)])
+    ep4 = tmp_path / "ep4"
     ep = "--parallelism.expert_parallel_degree"
     run_train(
         [*COMMON, *moe, "--training.local_batch_size", "2", ep, "4", "--job.dump_folder", str(ep4)], nproc=4
@@ -675,4 +675,4 @@ def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
     ):
         folder = resume_from(ep4, tmp_path / name)
         run_train([*COMMON, *moe, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
-        assert_continues(folder, single, rel=1e-5)
+        assert_continues(folder, ep4, rel=1e-5)

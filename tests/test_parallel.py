@@ -20,7 +20,7 @@ from conftest import REPO, SHORT_DOCUMENTS, TINY, read_metrics, run_train
 from configs import UserError, load_config
 from parallelisms.parallel_dims import ParallelDims
 
-STEPS = 10
+STEPS = 6
 # Global batch 8 on every layout; local batch x data-parallel degree x accumulation = 8.
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 
@@ -33,13 +33,13 @@ LAYOUTS = {
     # FSDP 4 and HSDP 2 x 2 are checked against the same reference by tests/test_checkpoint.py's
     # resumes onto them.
     "fsdp2_accumulate2": (2, "--training.local_batch_size 2"),
-    # With fused AdamW (CUDA's default; the reference uses foreach): clipping inside its kernel
-    # (grad_scale) on DTensor gradients, partial sums included.
-    "tp2": (2, f"{TP2} --training.local_batch_size 8 --optimizer.implementation fused"),
-    # Replicated logits (no loss parallel); FSDP 2 x TP 2 is the tied case below (the suite's time).
-    "tp2_no_loss_parallel": (
+    # Replicated logits (no loss parallel: TP with loss parallel is in every other TP layout), and
+    # fused AdamW (CUDA's default; the reference uses foreach): clipping inside its kernel
+    # (grad_scale) on DTensor gradients, partial sums included. FSDP 2 x TP 2 is the tied case below.
+    "tp2_no_loss_parallel_fused_adamw": (
         2,
-        f"{TP2} --training.local_batch_size 8 --parallelism.enable_loss_parallel false",
+        f"{TP2} --training.local_batch_size 8 --parallelism.enable_loss_parallel false "
+        "--optimizer.implementation fused",
     ),
     # Tied embedding and output (as Llama 3.2 1B/3B): one parameter sharded by both TP and FSDP.
     "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),

@@ -9,7 +9,7 @@ import os
 import pytest
 from conftest import SHORT_DOCUMENTS, TINY, read_metrics, run_train
 
-STEPS = 10
+STEPS = 6
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 SINGLE = ["--training.local_batch_size", "8"]
 COMPILE = ["--compile.enable"]
