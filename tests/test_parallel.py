@@ -82,7 +82,7 @@ LAYOUTS |= {
 }
 
 
-QWEN3_LAYOUTS = ["tp2"]  # its own TP plan (QK-norm); pipeline ends and attention are shared
+QWEN3_LAYOUTS = ["tp2_no_loss_parallel_fused_adamw"]  # its own TP plan (QK-norm); the rest is shared
 # Mixture of Experts (qwen3_moe tiny) with DeepSeek-V3-style routing (sigmoid scores, expert groups,
 # a shared expert, bias balancing, a balance loss): expert parallelism alone and with each other
 # parallelism. Under CP without the balance loss: it is computed per sequence, and a CP rank's
