@@ -62,7 +62,7 @@ def run_train(
         for pid in running:
             _signal(pid, signal.SIGABRT)
         time.sleep(3)
-        for pid in [process.pid, *running]:
+        for pid in {process.pid, *running, *descendants(process.pid)}:  # (workers started meanwhile too)
             _signal(pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise AssertionError(

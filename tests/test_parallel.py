@@ -13,6 +13,8 @@ and with each other parallelism. The 8-rank layouts beyond PP 2 x CP 2 x TP 2 ru
 import os
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 from conftest import REPO, SHORT_DOCUMENTS, TINY, read_metrics, run_train
@@ -139,12 +141,28 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
             assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-6), f"step {got['step']}"
 
 
+# Pipeline x tensor parallelism on gloo: torch's pipelining P2P (batch_isend_irecv, unstable on
+# gloo: pytorch/pytorch#132644) beside TP's collectives crashed a rank (SIGSEGV in TP's wait_tensor)
+# in 1 of 5 runs here and hung once in ~10 (torch 2.13, CPU). Such a run, and only a crashed or hung
+# one, is repeated once; a wrong loss fails at once.
+GLOO_CRASHES = {"pp2_tp2_document"}
+CRASH_SIGNS = ("SIGSEGV", "Segmentation fault", "did not end within", "Connection closed by peer",
+               "Connection reset by peer")  # fmt: skip
+
+
 @pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])
 def test_layout_matches_single_process(model, layout, references, tmp_path):
     processes, overrides = LAYOUTS[layout][0], LAYOUTS[layout][1].split()
-    run = ["--model.name", model, *overrides, "--job.dump_folder", str(tmp_path)]
-    run_train([*COMMON, *run], nproc=processes)
-    assert_parity(read_metrics(tmp_path), references(model, overrides))
+    run = ["--model.name", model, *overrides, "--job.dump_folder", str(tmp_path / "run")]
+    try:
+        run_train([*COMMON, *run], nproc=processes, timeout=180 if layout in GLOO_CRASHES else 600)
+    except AssertionError as failure:
+        if layout not in GLOO_CRASHES or not any(sign in str(failure) for sign in CRASH_SIGNS):
+            raise
+        warnings.warn(f"{layout}: a rank crashed or hung in gloo's collectives; run again", stacklevel=1)
+        run[-1] = str(tmp_path / "again")
+        run_train([*COMMON, *run], nproc=processes, timeout=180)
+    assert_parity(read_metrics(Path(run[-1])), references(model, overrides))
 
 
 def test_accumulation_under_fsdp_reduces_once_per_step():
