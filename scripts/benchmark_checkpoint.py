@@ -12,7 +12,8 @@ step's wait for the host copy); the resume's seconds: in all, preparing the stat
 the files (byte records, tensors) and the checksum check beside the reading. `step_tps` is each
 step's tok/s, so the steps after a save show what the background write costs; `resumed_loss` is
 the loss of the first resumed step in the uninterrupted run and after the resume (equal if the
-save was exact).
+save was exact; on another layout, --resume-nproc and --resume-with, equal within the
+layouts' rounding).
 --dd first measures what the disk allows: dd writing --dd-gib GiB with direct I/O and through the
 page cache.
 """
@@ -31,9 +32,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def train(args: argparse.Namespace, folder: str, overrides: list[str]) -> tuple[str, float]:
+def train(args: argparse.Namespace, folder: str, overrides: list[str], nproc: int) -> tuple[str, float]:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         str(REPO / "train.py"), "--config", args.config, "--training.steps", str(args.steps),
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--job.dump_folder", folder,
         "--checkpoint.enable", "--checkpoint.interval", str(args.interval),
@@ -77,16 +78,23 @@ def main() -> int:
     parser.add_argument("--dd", action="store_true", help="measure the disk with dd first")
     parser.add_argument("--dd-gib", type=int, default=8)
     parser.add_argument("--out", help="also append the JSON line to this file")
+    parser.add_argument("--resume-nproc", type=int, help="processes of the resumed run (default --nproc)")
+    parser.add_argument(
+        "--resume-with",
+        default="",
+        help="overrides added for the resumed run, one string: --resume-with='--parallelism.x 2'",
+    )
     parser.add_argument("overrides", nargs="*", help="train.py overrides, after --")
     args = parser.parse_args()
 
     folder = Path(tempfile.mkdtemp(dir=args.folder))
     try:
         result = {"name": args.name, "config": args.config, "async_mode": args.async_mode,
-                  "overrides": " ".join(args.overrides)}  # fmt: skip
+                  "overrides": " ".join(args.overrides), "resumed_with": args.resume_with,
+                  "resumed_nproc": args.resume_nproc or args.nproc}  # fmt: skip
         if args.dd:
             result.update(dd(folder, args.dd_gib))
-        log, wall = train(args, str(folder), args.overrides)
+        log, wall = train(args, str(folder), args.overrides, args.nproc)
         sync = r"saved checkpoint \S+ in ([\d.]+) s \(([\d.]+) GB; checksums ([\d.]+) s of it\)"
         saves = [tuple(map(float, save)) for save in re.findall(sync, log)]
         result["sync_save_s"] = [total for total, _, _ in saves]
@@ -115,7 +123,8 @@ def main() -> int:
         for later in (folder / "checkpoint").glob("step-*"):  # the resumed run writes its own
             if int(later.name.removeprefix("step-")) > last_full:
                 shutil.rmtree(later)
-        log, wall = train(args, str(folder), [*args.overrides, "--checkpoint.load_step", str(last_full)])
+        resume = [*args.overrides, *args.resume_with.split(), "--checkpoint.load_step", str(last_full)]
+        log, wall = train(args, str(folder), resume, args.resume_nproc or args.nproc)
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         again = {r["step"]: r["loss"] for r in map(json.loads, lines) if "tps" in r}
         first = {r["step"]: r["loss"] for r in records if "tps" in r}
