@@ -266,6 +266,29 @@ def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(s
 
 
 @gpus(1)
+def test_snapshots_leave_the_freed_activations_to_the_next_step():
+    """checkpoint/staging.py: the take-over's snapshots take memory of the side stream's, not the
+    blocks the step's activations freed into the training stream's cache, so the next step's
+    activations fit in the cache as before (when the snapshots took them, the reserve grew at that
+    step: slow with expandable segments, and near the memory limit a risk)."""
+    from checkpoint import staging
+
+    torch.cuda.empty_cache()  # (the cache then holds only what this test frees)
+    weights = [torch.randn(1 << 24, device="cuda") for _ in range(24)]  # 64 MB each
+    optimizer = torch.optim.SGD([torch.nn.Parameter(w) for w in weights], lr=1.0)
+    stager = staging.Stager(True, True, [optimizer], lambda: {"weights": weights})
+    optimizer.step()
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # a step's activations, freed
+    staged = stager.stage({"weights": weights})
+    stager.wait()  # the take-over: most of the copies not yet issued
+    assert stager.snapshot_room > 0
+    reserved = torch.cuda.memory_reserved()
+    torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # the next step's activations
+    assert torch.cuda.memory_reserved() == reserved
+    staged.result()
+
+
+@gpus(1)
 def test_a_step_read_does_not_wait_for_another_streams_host_copies():
     """training/host_reads.py: the values read are the tensors' values (shapes kept, float64), and
     a read of a short step's result returns while a side stream's 8 GB copy to pinned host memory
