@@ -103,6 +103,7 @@ class Stager:
         self.offsets: dict[str, int] = {}  # each buffer's place in the arena
         self.copying: concurrent.futures.Future | None = None
         self.snapshot_room = 0  # bytes of GPU memory the snapshots took (cached by the side stream)
+        self.cache_flushes = 0  # the CUDA allocator's cache flushes seen at the last take-over
         if self.overlapped:
             self.stream = torch.cuda.Stream()
             self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="staging")
@@ -148,7 +149,7 @@ class Stager:
         staged = self._copy(state, copies)
         # The copies wait on the GPU, not here, for this step's update to the weights.
         self.stream.wait_stream(torch.cuda.current_stream())
-        self.copies = _OverlappedCopies(copies, self.stream, self.snapshot_room)
+        self.copies = _OverlappedCopies(copies, self.stream)
         self.copying = self.thread.submit(self.copies.run, staged)
         return self.copying
 
@@ -166,7 +167,10 @@ class Stager:
         if self.copying is not None:
             start = time.perf_counter()
             self.copying = None
-            snapshot = self.copies.take_over()
+            flushes = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            if flushes != self.cache_flushes:  # (the allocator freed cached blocks: maybe this room)
+                self.snapshot_room, self.cache_flushes = 0, flushes
+            snapshot = self.copies.take_over(room_kept=self.snapshot_room)
             self.snapshot_room = max(self.snapshot_room, snapshot)
             took = time.perf_counter() - start
             logger.info(
@@ -222,13 +226,10 @@ class _OverlappedCopies:
     GROUP_BYTES = 1 << 28
     SPARE_BYTES = 2 << 30  # GPU memory a snapshot leaves free
 
-    def __init__(
-        self, copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream, room_kept: int
-    ):
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]], stream: torch.cuda.Stream):
         self.copies, self.stream = copies, stream
         self.issued = 0  # copies[:issued] are on the side stream
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []  # (snapshot, buffer) of the rest
-        self.room_kept = room_kept  # bytes the side stream's cache holds from earlier snapshots
         self.stop, self.stopped, self.handed_over = threading.Event(), threading.Event(), threading.Event()
 
     def run(self, staged: dict) -> dict:
@@ -261,7 +262,7 @@ class _OverlappedCopies:
             previous = done
         return issued
 
-    def take_over(self) -> int:
+    def take_over(self, room_kept: int) -> int:
         """(the training thread, before the optimizer step) Snapshot the tensors the staging thread
         has not copied yet and hand them back to it; returns the bytes snapshotted.
 
@@ -280,16 +281,18 @@ class _OverlappedCopies:
         with torch.cuda.stream(self.stream):
             if rest:
                 free, _ = torch.cuda.mem_get_info()
-                room = free - self.SPARE_BYTES + self.room_kept
+                room = free - self.SPARE_BYTES + room_kept
                 for source, buffer in rest:
                     if snapshot_bytes + source.nbytes > room:
                         break
+                    source.record_stream(self.stream)  # (as the thread's copies)
                     try:
                         self.snapshots.append((source.clone(), buffer))
                     except torch.cuda.OutOfMemoryError:
                         break
                     snapshot_bytes += source.nbytes
             for source, buffer in rest[len(self.snapshots) :]:  # no room: copied now
+                source.record_stream(self.stream)
                 buffer.copy_(source, non_blocking=True)
         # The update waits for all of it: the thread's copies in flight, the snapshots, the direct copies.
         torch.cuda.current_stream().wait_stream(self.stream)
