@@ -102,8 +102,6 @@ class Stager:
         self.arena: HostArena | None = None
         self.offsets: dict[str, int] = {}  # each buffer's place in the arena
         self.copying: concurrent.futures.Future | None = None
-        self.snapshot_room = 0  # bytes of GPU memory the snapshots took (cached by the side stream)
-        self.cache_flushes = 0  # the CUDA allocator's cache flushes seen at the last take-over
         if self.overlapped:
             self.stream = torch.cuda.Stream()
             self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="staging")
@@ -167,11 +165,7 @@ class Stager:
         if self.copying is not None:
             start = time.perf_counter()
             self.copying = None
-            flushes = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-            if flushes != self.cache_flushes:  # (the allocator freed cached blocks: maybe this room)
-                self.snapshot_room, self.cache_flushes = 0, flushes
-            snapshot = self.copies.take_over(room_kept=self.snapshot_room)
-            self.snapshot_room = max(self.snapshot_room, snapshot)
+            snapshot = self.copies.take_over()
             took = time.perf_counter() - start
             logger.info(
                 f"the optimizer step took over the checkpoint's host copy in {took:.2f} s "
@@ -220,8 +214,9 @@ class _OverlappedCopies:
     stops issuing, every tensor not yet issued is snapshotted on the GPU (a device copy, ~1% of the
     time of the host copy), and the thread goes on copying from the snapshots while the optimizer
     and the next steps run; what the GPU has no free memory for is copied from the tensor itself at
-    once. The optimizer's kernels wait on the GPU for the copies that read what they change: those
-    in flight when the thread stopped, and those not snapshotted (the CPU never waits)."""
+    once. The optimizer's kernels wait on the GPU for all of the side stream's work issued by then:
+    the copies in flight when the thread stopped, the snapshots, and the copies not snapshotted (the
+    CPU does not wait)."""
 
     GROUP_BYTES = 1 << 28
     SPARE_BYTES = 2 << 30  # GPU memory a snapshot leaves free
@@ -230,14 +225,17 @@ class _OverlappedCopies:
         self.copies, self.stream = copies, stream
         self.issued = 0  # copies[:issued] are on the side stream
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []  # (snapshot, buffer) of the rest
+        self.snapshot_bytes = 0  # what the take-over snapshotted
         self.stop, self.stopped, self.handed_over = threading.Event(), threading.Event(), threading.Event()
 
     def run(self, staged: dict) -> dict:
         """(the staging thread) Issue the copies group by group until done or told to stop, then
         those from the snapshots; return staged once every copy has finished."""
         with torch.cuda.stream(self.stream):
-            self.issued = self._issue_in_groups(self.copies, self.stop)
-            self.stopped.set()
+            try:
+                self.issued = self._issue_in_groups(self.copies, self.stop)
+            finally:  # (a take-over waits for this)
+                self.stopped.set()
             if self.issued < len(self.copies):
                 self.handed_over.wait()  # (the snapshots are on this stream: copied after them)
                 self._issue_in_groups(self.snapshots, None)
@@ -262,42 +260,51 @@ class _OverlappedCopies:
             previous = done
         return issued
 
-    def take_over(self, room_kept: int) -> int:
+    def take_over(self) -> int:
         """(the training thread, before the optimizer step) Snapshot the tensors the staging thread
         has not copied yet and hand them back to it; returns the bytes snapshotted.
 
-        The snapshots are made on the side stream, so the CUDA cache gives them memory of the side
-        stream's, kept there for the next saves (room_kept bytes of it from earlier saves). Made on
-        the training stream, they took the free blocks of the training stream's cache, which are
-        the next step's activations: that step then grew the cache, slowly with expandable segments
-        (measured on the H200, compiled Llama 3 1B: the step after the first save at 56-79%); and
-        near the memory limit it could run out. The update waits on the GPU for the snapshots."""
+        The snapshots are made on the side stream, so the CUDA cache gives them the side stream's
+        memory (which it keeps for the next saves' snapshots), never the training stream's free
+        blocks: those are the next step's activations. (Made on the training stream, as before
+        2026-12-02, they took those blocks and the next step grew the cache: slowly with expandable
+        segments, measured on the H200 with compiled Llama 3 1B as that step at 56-79%; and near
+        the memory limit it could have run out.) Device memory the snapshots newly take leaves
+        SPARE_BYTES free; the rest is copied straight. The update waits on the GPU for all of it."""
         self.stop.set()
         self.stopped.wait()  # (at most one group's copy)
+        try:
+            return self._snapshot_the_rest()
+        finally:  # (the thread waits for this)
+            self.handed_over.set()
+
+    def _snapshot_the_rest(self) -> int:
         rest = self.copies[self.issued :]
-        snapshot_bytes = 0
+        most_taken = 0  # the most new device memory the snapshots can have taken
         # (The side stream is past the last update already: stage() made it wait for it; the
         # backward still running changes none of these tensors, so the snapshots need not wait.)
         with torch.cuda.stream(self.stream):
-            if rest:
-                free, _ = torch.cuda.mem_get_info()
-                room = free - self.SPARE_BYTES + room_kept
-                for source, buffer in rest:
-                    if snapshot_bytes + source.nbytes > room:
+            free, _ = torch.cuda.mem_get_info()
+            reserved = torch.cuda.memory_reserved()
+            for source, buffer in rest:
+                size = -(-source.nbytes // (2 << 20)) * (2 << 20)  # (the allocator's rounding)
+                if most_taken + size > free - self.SPARE_BYTES:  # (unless the side stream's cache holds it)
+                    taken = torch.cuda.memory_reserved() - reserved  # new device memory so far
+                    if taken + size > free - self.SPARE_BYTES:
                         break
-                    source.record_stream(self.stream)  # (as the thread's copies)
-                    try:
-                        self.snapshots.append((source.clone(), buffer))
-                    except torch.cuda.OutOfMemoryError:
-                        break
-                    snapshot_bytes += source.nbytes
+                source.record_stream(self.stream)  # (as the thread's copies)
+                try:
+                    self.snapshots.append((source.clone(), buffer))
+                except torch.cuda.OutOfMemoryError:
+                    break
+                most_taken += size
             for source, buffer in rest[len(self.snapshots) :]:  # no room: copied now
                 source.record_stream(self.stream)
                 buffer.copy_(source, non_blocking=True)
         # The update waits for all of it: the thread's copies in flight, the snapshots, the direct copies.
         torch.cuda.current_stream().wait_stream(self.stream)
-        self.handed_over.set()
-        return snapshot_bytes
+        self.snapshot_bytes = sum(snapshot.nbytes for snapshot, _ in self.snapshots)
+        return self.snapshot_bytes
 
 
 def map_leaves(value, fn: Callable[[str, object], object], path: str = ""):

@@ -281,7 +281,7 @@ def test_snapshots_leave_the_freed_activations_to_the_next_step():
     torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # a step's activations, freed
     staged = stager.stage({"weights": weights})
     stager.wait()  # the take-over: most of the copies not yet issued
-    assert stager.snapshot_room > 0
+    assert stager.copies.snapshot_bytes > 0
     reserved = torch.cuda.memory_reserved()
     torch.empty(2 << 30, dtype=torch.uint8, device="cuda")  # the next step's activations
     assert torch.cuda.memory_reserved() == reserved
