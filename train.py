@@ -135,7 +135,9 @@ def train(config: JobConfig) -> int:
         model.spec.state_dict_adapter(model.args), config.training.steps,
     )  # fmt: skip
     resumed = checkpointer.load()
-    fault_tolerance.register_state(model.parts, optimizers, dataloader, train_state)
+    fault_tolerance.register_state(
+        model.parts, optimizers, dataloader, train_state, before_load=checkpointer.before_state_changes
+    )
     fault_tolerance.combine_groups(model.parts, optimizers)
 
     # Every check has passed: only now is anything written into the dump folder (with fault

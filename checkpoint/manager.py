@@ -195,6 +195,13 @@ class Checkpointer:
         began = time.perf_counter() - start
         logger.info(f"saved checkpoint {final} (committed {began:.1f} s after it began)")
 
+    def before_state_changes(self) -> None:
+        """Something other than the optimizer is about to change the state in place (a torchft
+        group healing from a peer): the save's host copies still running are taken over first, as
+        the optimizer step's pre-hook does (checkpoint/staging.py)."""
+        if self.stager is not None and self.stager.overlapped:
+            self.stager.wait()
+
     def wait(self) -> None:
         """Wait for the background save, if any (it commits itself); raise what stopped it."""
         if self.pending is not None:

@@ -86,9 +86,9 @@ if sys.argv and sys.argv[0].endswith("train.py"):
         return forward_backward(self, micro_batches)
     training.step.StepRunner.forward_backward = dying_forward_backward
     register_state, close = ft.FaultTolerance.register_state, ft.FaultTolerance.close
-    def keep(self, *parts):
+    def keep(self, *parts, **named):
         self.parts = parts
-        register_state(self, *parts)
+        register_state(self, *parts, **named)
     def write_digest(self, name, parts):
         state = ft.healing_state(*self.parts)
         digest = hashlib.sha256()

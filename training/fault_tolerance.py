@@ -187,12 +187,14 @@ class FaultTolerance:
                     unit.set_all_reduce_hook(self._sum_in_place)
 
     # ---- the state a group heals from ------------------------------------------------------
-    def register_state(self, model_parts, optimizers, dataloader, train_state) -> None:
-        """What a peer sends a group that is behind (healing_state), loaded by load_healing_state."""
+    def register_state(self, model_parts, optimizers, dataloader, train_state, before_load) -> None:
+        """What a peer sends a group that is behind (healing_state), loaded by load_healing_state
+        after before_load() (the checkpointer's: a save's host copies may still read the state)."""
         if not self.enabled:
             return
 
         def load(received: dict) -> None:
+            before_load()
             load_healing_state(received, model_parts, optimizers, dataloader, train_state)
             self.healed = True
             logger.info(f"healed from a live replica group: continuing after step {train_state.step}")
