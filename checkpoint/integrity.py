@@ -14,6 +14,7 @@ is used. A checkpoint without checksums.json (written before it existed) is load
 """
 
 import json
+import os
 import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -61,8 +62,12 @@ def _piece_crc32(path: Path, start: int, length: int) -> str:
 
 
 def write_manifest(folder: Path, files: dict[str, dict]) -> None:
+    """checksums.json, on the disk when this returns (a commit deletes older checkpoints next)."""
     manifest = {"piece_bytes": PIECE_BYTES, "files": dict(sorted(files.items()))}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    with (folder / MANIFEST).open("w") as f:
+        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def record(folder: Path) -> None:

@@ -43,6 +43,14 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTS = ("model", "optimizer", "train", "dataloader")
 
 
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 def complete_steps(folder: Path) -> list[int]:
     """Steps of the complete checkpoints in folder, oldest first."""
     if not folder.is_dir():
@@ -188,6 +196,9 @@ class Checkpointer:
 
         try:
             own, self.checksum_seconds = write()
+        except Exception as e:  # (every rank must reach _finish's collective, or the others wait there)
+            own = f"{type(e).__name__}: {e}"
+        try:
             self._finish(own, partial, final, self.group)
         except UserError as e:  # raised on every rank at the next save or at the end
             logger.warning(f"{e} (the run stops at its next save)")
@@ -233,7 +244,9 @@ class Checkpointer:
                 integrity.write_manifest(partial, files)
                 if final.exists():  # an older save of the same step (e.g. the run was restarted)
                     shutil.rmtree(final)
+                _fsync_folder(partial)  # (its files' names on the disk before it is complete)
                 partial.rename(final)
+                _fsync_folder(self.folder)  # (the rename too, before older checkpoints are deleted)
             except OSError as e:
                 error = describe(e)
         self._agree(partial, final, error, group)
@@ -262,12 +275,33 @@ class Checkpointer:
         old = complete_steps(self.folder)[:-keep] if keep > 0 else []
         doomed = []
         for step in old:  # renamed first, so that a kill mid-deletion leaves no half checkpoint
-            doomed.append(self.path(step).rename(self.folder / f"step-{step}.deleting"))
+            try:
+                doomed.append(self.path(step).rename(self.folder / f"step-{step}.deleting"))
+            except OSError as e:  # (rank 0 only, after the ranks agreed: not a reason to stop)
+                logger.warning(f"keep_latest_k: {self.path(step)} could not be deleted: {describe(e)}")
         if doomed:
             self.deleting = threading.Thread(
                 target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in doomed]
             )
             self.deleting.start()
+
+    def _set_aside(self, later: list[int], step: int) -> None:
+        """A run resumed from an earlier step (checkpoint.load_step) than the latest checkpoint:
+        the later ones are renamed step-N.abandoned, so that the next resume continues this run,
+        keep_latest_k never counts them, and this run's own saves of those steps replace nothing."""
+        for later_step in later:
+            target, n = self.folder / f"step-{later_step}.abandoned", 1
+            while target.exists():
+                target, n = self.folder / f"step-{later_step}.abandoned-{n + 1}", n + 1
+            try:
+                self.path(later_step).rename(target)
+            except OSError as e:
+                logger.warning(f"{self.path(later_step)} could not be set aside: {describe(e)}")
+                continue
+            logger.warning(
+                f"{self.path(later_step)} renamed {target.name}: this run continues from step {step} "
+                "(delete it to free space)"
+            )
 
     def _wait_for_deletion(self) -> None:
         if self.deleting is not None:
@@ -292,6 +326,8 @@ class Checkpointer:
             earlier = [s for s in steps if s < step]
             hint = f"; to resume from an earlier one: --checkpoint.load_step {earlier[-1]}" if earlier else ""
             self._load_checkpoint(self.folder / f"step-{step}", hint)
+            if self.is_rank0:
+                self._set_aside([s for s in steps if s > step], step)
             return True
         if self.config.load_step not in (-1, 0) and self.config.enable:
             raise UserError(f"checkpoint.load_step {self.config.load_step}: no checkpoints in {self.folder}")

@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -151,7 +152,7 @@ class WriterProcess:
         if not_started:
             return not_started, 0.0
         try:
-            self.connection.send((described_state, str(partial), writer_threads, direct_io))
+            self.connection.send_bytes(encode_request(described_state, partial, writer_threads, direct_io))
             return self.connection.recv()
         except (EOFError, OSError):
             code = self.process.wait()
@@ -164,6 +165,13 @@ class WriterProcess:
         except (OSError, subprocess.TimeoutExpired):
             self.process.kill()
         self.connection.close()
+
+
+def encode_request(described_state: dict, partial: Path, writer_threads: int, direct_io: bool) -> bytes:
+    """A write request in plain pickle: its ByValue tensors go by value. (Connection.send's pickler
+    would pass their storage as a file descriptor, which a writer started by Popen, not by
+    multiprocessing, refuses: "digest sent was rejected".)"""
+    return pickle.dumps((described_state, str(partial), writer_threads, direct_io))
 
 
 def _die_with_parent(parent: int) -> None:

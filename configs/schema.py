@@ -399,7 +399,8 @@ class Checkpoint(Section):
     is written); 0 keeps all."""
 
     load_step: int = -1
-    """Resume from this step's checkpoint; -1 = the latest complete one."""
+    """Resume from this step's checkpoint; -1 = the latest complete one. Later complete checkpoints
+    are then renamed step-N.abandoned (kept, never counted or loaded), so the run continues from here."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """disabled: training waits for the save (on a GPU the state is first copied into page-locked

@@ -294,7 +294,8 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
     """An async save is committed (checksums written, renamed step-N) by its background writer as
     soon as the write ends: with nothing else called on the checkpointer (no later save, no end of
     training), step-1 appears complete. (Committed at the next save, a kill before it lost up to
-    two intervals.) The save returned before the writer process had started."""
+    two intervals.) The save returned before the writer process had started. A later save with a
+    tensor made after the buffers completes too."""
     import torch.distributed as dist
 
     from checkpoint.manager import Checkpointer, complete_steps
@@ -318,6 +319,12 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
             time.sleep(0.1)
         assert complete_steps(tmp_path / "checkpoint") == [1]
         assert (tmp_path / "checkpoint" / "step-1" / "checksums.json").exists()
+        # A tensor the shared buffers do not hold goes to the writer by value (plain pickle: the
+        # connection's own pickler would pass its storage as a descriptor the writer refuses).
+        model.register_buffer("late", torch.arange(3.0))
+        checkpointer.save(2)
+        checkpointer.wait()
+        assert complete_steps(tmp_path / "checkpoint") == [1, 2]
         checkpointer.close()
     finally:
         dist.destroy_process_group()
@@ -580,6 +587,21 @@ def test_unknown_load_step_is_refused(reference, tmp_path):
     result = run_train([*COMMON, *SINGLE, "--checkpoint.load_step", "7", "--job.dump_folder", str(folder)],
                        check=False)  # fmt: skip
     assert "checkpoint.load_step 7: no complete checkpoint step-7" in error_line(result)
+
+
+def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(reference, tmp_path):
+    """checkpoint.load_step 5 in a folder holding step-5 and step-10: step-10 (the abandoned
+    future) is renamed step-10.abandoned, so keep_latest_k keeps this run's own step-8 rather than
+    deleting it for the newer step-10, and the next resume continues this run."""
+    from checkpoint.manager import complete_steps
+
+    folder = tmp_path / "rolled_back"
+    shutil.copytree(reference / "checkpoint", folder / "checkpoint")
+    rollback = ["--checkpoint.load_step", "5", "--training.steps", "8", "--checkpoint.keep_latest_k", "1"]
+    result = run_train([*COMMON, *SINGLE, *rollback, "--job.dump_folder", str(folder)])
+    assert "step-10 renamed step-10.abandoned: this run continues from step 5" in result.stdout
+    assert complete_steps(folder / "checkpoint") == [8]
+    assert (folder / "checkpoint" / "step-10.abandoned" / ".metadata").is_file()
 
 
 def test_model_only_last_save_starts_a_new_run_but_cannot_continue_one(tmp_path):
