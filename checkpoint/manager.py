@@ -210,7 +210,7 @@ class Checkpointer:
         """Something other than the optimizer is about to change the state in place (a torchft
         group healing from a peer): the save's host copies still running are taken over first, as
         the optimizer step's pre-hook does (checkpoint/staging.py)."""
-        if self.stager is not None and self.stager.overlapped:
+        if self.stager is not None:  # (no copies run on unless overlapped: then a no-op)
             self.stager.wait()
 
     def wait(self) -> None:
@@ -291,8 +291,9 @@ class Checkpointer:
         keep_latest_k never counts them, and this run's own saves of those steps replace nothing."""
         for later_step in later:
             target, n = self.folder / f"step-{later_step}.abandoned", 1
-            while target.exists():
-                target, n = self.folder / f"step-{later_step}.abandoned-{n + 1}", n + 1
+            while target.exists():  # (set aside before, by an earlier rollback)
+                n += 1
+                target = self.folder / f"step-{later_step}.abandoned-{n}"
             try:
                 self.path(later_step).rename(target)
             except OSError as e:

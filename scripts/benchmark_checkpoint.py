@@ -86,12 +86,13 @@ def main() -> int:
     )
     parser.add_argument("overrides", nargs="*", help="train.py overrides, after --")
     args = parser.parse_args()
+    args.resume_nproc = args.resume_nproc or args.nproc
 
     folder = Path(tempfile.mkdtemp(dir=args.folder))
     try:
         result = {"name": args.name, "config": args.config, "async_mode": args.async_mode,
                   "overrides": " ".join(args.overrides), "resumed_with": args.resume_with,
-                  "resumed_nproc": args.resume_nproc or args.nproc}  # fmt: skip
+                  "resumed_nproc": args.resume_nproc}  # fmt: skip
         if args.dd:
             result.update(dd(folder, args.dd_gib))
         log, wall = train(args, str(folder), args.overrides, args.nproc)
@@ -124,7 +125,7 @@ def main() -> int:
             if int(later.name.removeprefix("step-")) > last_full:
                 shutil.rmtree(later)
         resume = [*args.overrides, *args.resume_with.split(), "--checkpoint.load_step", str(last_full)]
-        log, wall = train(args, str(folder), resume, args.resume_nproc or args.nproc)
+        log, wall = train(args, str(folder), resume, args.resume_nproc)
         lines = (folder / "metrics.jsonl").read_text().splitlines()
         again = {r["step"]: r["loss"] for r in map(json.loads, lines) if "tps" in r}
         first = {r["step"]: r["loss"] for r in records if "tps" in r}
