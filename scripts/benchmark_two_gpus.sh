@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The two-GPU measurements of docs/performance.md, in groups that each fit one 10-minute device
+# call; one JSON line per run in OUT (default two_gpus.jsonl). Llama 3 3B shape, compile on.
+#
+#   bash scripts/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2 (+ float8 TP 2)
+#   bash scripts/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
+#   bash scripts/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
+#   bash scripts/benchmark_two_gpus.sh suite OUT   # the multi-GPU tests (scripts/gpu_tests.sh)
+set -uo pipefail  # one failed run (e.g. out of memory) leaves its error line and the next runs go on
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)
+group=${1:?steps, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
+timed_out() { [ "$1" -eq 124 ] && echo "{\"name\": \"$2\", \"error\": \"timed out\"}" >> "$out"; }
+# bench SECONDS --name NAME ...: scripts/benchmark.py on 2 GPUs (a failed run writes its own error line)
+bench() { timeout "$1" python3 scripts/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
+    "${@:2}" > /dev/null 2>&1 || timed_out $? "$3"; }
+# load NAME ARGS: 1B saved on FSDP 2 at step 5, resumed on the layout ARGS give; the global batch
+# fixed at 2 so that every layout trains on the same samples (its resumed loss equals the first's)
+load() { timeout 280 python3 scripts/benchmark_checkpoint.py --config configs/llama3_1b.toml --nproc 2 \
+    --steps 6 --interval 5 --name "$1" --out "$out" "${@:2}" \
+    -- --training.local_batch_size 1 --training.global_batch_size 2 > /dev/null 2>&1 || timed_out $? "$1"; }
+case $group in
+steps)  # the issue's rows: tok/s per GPU, batch 2 per GPU, no accumulation
+    bench 200 --name fsdp2_b2 --steps 16 --warmup 8 -- --training.local_batch_size 2 --training.global_batch_size 4
+    bench 200 --name tp2_b2 --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
+        --training.local_batch_size 2 --training.global_batch_size 2
+    bench 180 --name tp2_b2_float8 --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
+        --training.local_batch_size 2 --training.global_batch_size 2 --float8.enable true ;;
+cp)  # 32k: the issue's comparison with torchtitan (12,860 tok/s per GPU); 131,072: does it train
+    bench 240 --name cp2_32k --steps 12 --warmup 6 -- --parallelism.context_parallel_degree 2 \
+        --training.seq_len 32768 --training.global_batch_size 1
+    bench 330 --name cp2_131k --steps 6 --warmup 3 -- --parallelism.context_parallel_degree 2 \
+        --training.seq_len 131072 --training.global_batch_size 1 --activation_checkpoint.mode full ;;
+load)  # load time when the layout changes (DCP reshards while reading)
+    load fsdp2_to_one_gpu --resume-nproc 1
+    load fsdp2_to_tp2 --resume-with='--parallelism.tensor_parallel_degree 2' ;;
+suite)
+    GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
+*) echo "error: unknown group '$group' (steps, cp, load or suite)" >&2; exit 2 ;;
+esac
+cat "$out"
