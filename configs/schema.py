@@ -227,6 +227,11 @@ class Parallelism(Section):
     tensor_parallel_degree: int = 1
     """Tensor parallelism (Megatron-style, with sequence parallel norms) over this many ranks."""
 
+    enable_async_tensor_parallel: bool = False
+    """With tensor parallelism, compile and CUDA: torch's micro-pipelined TP. Inductor cuts each
+    sequence-parallel all-gather + matmul and matmul + reduce-scatter in the compiled blocks into
+    chunks whose communication (over symmetric memory) overlaps the other chunks' matmuls."""
+
     enable_loss_parallel: bool = True
     """With tensor parallelism: keep logits sharded over the vocabulary and compute cross-entropy
     on the shards, instead of gathering full logits on every rank."""

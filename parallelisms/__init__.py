@@ -25,7 +25,11 @@ from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.float8 import apply_float8, check_float8
 from parallelisms.fsdp import apply_fsdp
 from parallelisms.parallel_dims import Meshes, ParallelDims
-from parallelisms.tensor_parallel import apply_tensor_parallel
+from parallelisms.tensor_parallel import (
+    apply_tensor_parallel,
+    check_async_tensor_parallel,
+    enable_async_tensor_parallel,
+)
 
 
 def parallelize(
@@ -43,7 +47,8 @@ def parallelize(
     (Pipeline splitting comes before: training/model_setup.py calls this once per stage.)
     1. float8: Linear layers become torchao Float8Linear (before any sharding sees them)
     2. tensor + sequence parallel (the model's own plan): parameters become DTensors over "tp";
-       the loss is computed on vocabulary shards when loss parallelism is on
+       the loss is computed on vocabulary shards when loss parallelism is on; async TP asks
+       inductor (step 6) to overlap the TP collectives with the matmuls
     3. expert parallel: MoE layers' experts are sharded over "ep", their tokens sent by all-to-all
     4. context parallel: causal attention kernels become all-gather-KV ones over "cp"
     5. activation checkpointing: blocks are wrapped to recompute activations in backward
@@ -56,12 +61,15 @@ def parallelize(
     """
     check_float8(config.float8, device, dims.tp_enabled, dims.fsdp_enabled)
     check_compile(config, dims.tp_enabled)
+    check_async_tensor_parallel(config, dims.tp_enabled, device)
     check_activation_checkpointing(config.activation_checkpoint, dims.cp_enabled, dims.ep_enabled)
     if config.float8.enable:
         apply_float8(model, config.float8, device)
     if dims.tp_enabled:
         plan = spec.tensor_parallel_plan(args, config.parallelism.enable_loss_parallel)
         apply_tensor_parallel(model, plan, spec.head, mesh["tp"])
+        if config.parallelism.enable_async_tensor_parallel and device.type == "cuda":
+            enable_async_tensor_parallel(mesh["tp"])
     if dims.ep_enabled:
         apply_expert_parallel(model, mesh["expert_tp"], mesh["ep"])
     if dims.cp_enabled:

@@ -2,11 +2,15 @@
 tied, and loss parallelism."""
 
 import contextlib
+import warnings
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from configs import UserError
+from configs.schema import JobConfig
 from models.spec import TensorParallelPlan
 from parallelisms.tied_weights import retie, tied_parameter_names
 
@@ -26,6 +30,28 @@ def apply_tensor_parallel(
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, plan.block)
     retie(model, groups)  # the plan replaces parameters module by module, which unties them
+
+
+def check_async_tensor_parallel(config: JobConfig, tp_enabled: bool, device: torch.device) -> None:
+    if not config.parallelism.enable_async_tensor_parallel:
+        return
+    option = "parallelism.enable_async_tensor_parallel"
+    if not tp_enabled:
+        raise UserError(f"{option} needs tensor_parallel_degree > 1")
+    if not config.compile.enable:
+        raise UserError(f"{option} needs compile.enable: the compiled blocks' collectives are what overlaps")
+    if device.type != "cuda" and not config.job.dry_run:  # a dry run checks a GPU job on any machine
+        raise UserError(f"{option} needs CUDA GPUs (symmetric memory); this run is on {device.type}")
+
+
+def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+    """torch's micro-pipelined TP, a pass of inductor over every graph compiled from here on."""
+    torch._inductor.config._micro_pipeline_tp = True
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():  # needed by older torch; later ones deprecate it as a no-op
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def _holds(model: nn.Module, name: str) -> bool:

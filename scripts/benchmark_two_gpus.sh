@@ -2,14 +2,15 @@
 # The two-GPU measurements of docs/performance.md, in groups that each fit one 10-minute device
 # call; one JSON line per run in OUT (default two_gpus.jsonl). Llama 3 3B shape, compile on.
 #
-#   bash scripts/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2 (+ float8 TP 2)
+#   bash scripts/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2, async TP 2
+#   bash scripts/benchmark_two_gpus.sh float8 OUT  # 3B float8 batch 2: TP 2, async TP 2
 #   bash scripts/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
 #   bash scripts/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
 #   bash scripts/benchmark_two_gpus.sh suite OUT   # the multi-GPU tests (scripts/gpu_tests.sh)
 set -uo pipefail  # one failed run (e.g. out of memory) leaves its error line and the next runs go on
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)
-group=${1:?steps, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
+group=${1:?steps, float8, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
 timed_out() { [ "$1" -eq 124 ] && echo "{\"name\": \"$2\", \"error\": \"timed out\"}" >> "$out"; }
 # bench SECONDS --name NAME ...: scripts/benchmark.py on 2 GPUs (a failed run writes its own error line)
 bench() { timeout "$1" python3 scripts/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
@@ -20,12 +21,18 @@ load() { timeout 280 python3 scripts/benchmark_checkpoint.py --config configs/ll
     --steps 6 --interval 5 --name "$1" --out "$out" "${@:2}" \
     -- --training.local_batch_size 1 --training.global_batch_size 2 > /dev/null 2>&1 || timed_out $? "$1"; }
 case $group in
-steps)  # the issue's rows: tok/s per GPU, batch 2 per GPU, no accumulation
-    bench 200 --name fsdp2_b2 --steps 16 --warmup 8 -- --training.local_batch_size 2 --training.global_batch_size 4
-    bench 200 --name tp2_b2 --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
-        --training.local_batch_size 2 --training.global_batch_size 2
-    bench 180 --name tp2_b2_float8 --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
-        --training.local_batch_size 2 --training.global_batch_size 2 --float8.enable true ;;
+steps)  # the issue's rows: tok/s per GPU, batch 2 per GPU, no accumulation; TP 2 also async
+    bench 190 --name fsdp2_b2 --steps 16 --warmup 8 -- --training.local_batch_size 2 --training.global_batch_size 4
+    for async in false true; do
+        bench 190 --name "tp2_b2_async_$async" --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
+            --training.local_batch_size 2 --training.global_batch_size 2 --parallelism.enable_async_tensor_parallel $async
+    done ;;
+float8)  # float8 with TP 2 (torchao's tensorwise scaling over the whole DTensors), plain and async
+    for async in false true; do
+        bench 200 --name "tp2_b2_float8_async_$async" --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
+            --training.local_batch_size 2 --training.global_batch_size 2 --float8.enable true \
+            --parallelism.enable_async_tensor_parallel $async
+    done ;;
 cp)  # 32k: the issue's comparison with torchtitan (12,860 tok/s per GPU); 131,072: does it train
     bench 240 --name cp2_32k --steps 12 --warmup 6 -- --parallelism.context_parallel_degree 2 \
         --training.seq_len 32768 --training.global_batch_size 1
@@ -36,6 +43,6 @@ load)  # load time when the layout changes (DCP reshards while reading)
     load fsdp2_to_tp2 --resume-with='--parallelism.tensor_parallel_degree 2' ;;
 suite)
     GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
-*) echo "error: unknown group '$group' (steps, cp, load or suite)" >&2; exit 2 ;;
+*) echo "error: unknown group '$group' (steps, float8, cp, load or suite)" >&2; exit 2 ;;
 esac
 cat "$out"

@@ -168,6 +168,11 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                                      "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
                                      "--activation_checkpoint.mode", "selective"],
          "compile with tensor parallelism and activation checkpointing by op"),
+        ("async TP without TP", ["--job.dry_run", "--parallelism.enable_async_tensor_parallel", "--compile.enable"],
+         "parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1"),
+        ("async TP without compile", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
+                                      "2", "--parallelism.enable_async_tensor_parallel", "--compile.enable", "false"],
+         "parallelism.enable_async_tensor_parallel needs compile.enable"),
         ("TP vs KV heads", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
                             "2", "--model.args", "n_kv_heads=1"], "tensor_parallel_degree 2 does not divide model n_kv_heads (1)"),
         ("tied weights x PP", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.pipeline_parallel_degree",
@@ -269,6 +274,8 @@ def test_each_mistake_gives_one_clear_error_and_harms_nothing(files, tmp_path):
     [
         (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
          "training.seq_len (30) must divide into 2 x context_parallel_degree = 4 chunks"),
+        (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel", "--compile.enable"],
+         "parallelism.enable_async_tensor_parallel needs CUDA GPUs (symmetric memory); this run is on cpu"),
     ],
 )  # fmt: skip
 def test_layout_mistakes_on_several_ranks(overrides, expected, tmp_path):
