@@ -169,7 +169,9 @@ def train(config: JobConfig) -> int:
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
     )
     stop_signals = StopSignals(config.job.signal_check_interval)
-    expert_balance = ExpertBalance(model.parts, mesh["dp_cp"].get_group(), pp_group)
+    expert_balance = ExpertBalance(
+        model.parts, mesh["dp_cp"].get_group(), pp_group, before_bias_update=checkpointer.before_state_changes
+    )
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     metrics.start(train_state.step)
 

@@ -208,8 +208,8 @@ class Checkpointer:
 
     def before_state_changes(self) -> None:
         """Something other than the optimizer is about to change the state in place (a torchft
-        group healing from a peer): the save's host copies still running are taken over first, as
-        the optimizer step's pre-hook does (checkpoint/staging.py)."""
+        group healing from a peer, MoE's expert-bias update): the save's host copies still running
+        are taken over first, as the optimizer step's pre-hook does (checkpoint/staging.py)."""
         if self.stager is not None:  # (no copies run on unless overlapped: then a no-op)
             self.stager.wait()
 

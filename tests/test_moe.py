@@ -197,6 +197,29 @@ def test_update_expert_bias_moves_towards_balance_and_stays_zero_mean():
     assert moe.expert_bias[0] == moe.expert_bias.min()
 
 
+def test_bias_update_lets_a_running_save_take_its_copies_first():
+    """The biases are saved state changed in place after the optimizer step, which a non-finite
+    step may skip (and with it the pre-hook that takes a running save's copies over)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training.expert_balance import ExpertBalance
+
+    model = torch.nn.ModuleDict({"moe": layer(score_func="sigmoid", bias_update_rate=0.01)})
+    model["moe"](torch.randn(2, 8, 16))  # counts for the update
+    seen = []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        balance = ExpertBalance(
+            [model], dist.group.WORLD, None, lambda: seen.append(model["moe"].expert_bias.clone())
+        )
+        balance.after_step()
+    finally:
+        dist.destroy_process_group()
+    assert len(seen) == 1 and not seen[0].any()  # called once, before the biases moved
+    assert model["moe"].expert_bias.any()
+
+
 def test_load_statistics():
     assert load_statistics(torch.tensor([4, 0, 2, 2])) == {
         "max_load": 2.0,

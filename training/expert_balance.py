@@ -6,6 +6,8 @@ The counts stay on the device: one all-reduce of all layers' counts stacked, no 
 at logged steps (statistics()). A model without MoE layers costs nothing.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,15 +24,20 @@ class ExpertBalance:
         model_parts: list[nn.Module],
         tokens_group: dist.ProcessGroup,
         pp_group: dist.ProcessGroup | None,
+        before_bias_update: Callable[[], None] = lambda: None,
     ):
         """tokens_group: the ranks holding different tokens (data parallel x context parallel);
         tensor-parallel ranks route the same tokens and are not summed. pp_group: pipeline stages
-        hold different layers, whose statistics are gathered for the log."""
+        hold different layers, whose statistics are gathered for the log. before_bias_update:
+        called before the biases (saved state) change in place, e.g. to take a running save's
+        copies over (Checkpointer.before_state_changes): after an update that a non-finite step
+        skipped no optimizer pre-hook has done it."""
         self.layers = {
             original_name(name): moe for part in model_parts for name, moe in moe_layers(part).items()
         }
         self.tokens_group = tokens_group
         self.pp_group = pp_group
+        self.before_bias_update = before_bias_update
         self.counts: torch.Tensor | None = None  # the last step's, summed: (layers, experts)
         self.aux_losses: torch.Tensor | None = None  # the last step's mean balance loss per layer
 
@@ -47,6 +54,8 @@ class ExpertBalance:
         self.counts = summed[:, :-1]
         self.aux_losses = summed[:, -1] / torch.tensor([moe.sequences_per_step or 1 for moe in layers],
                                                        device=summed.device)  # fmt: skip
+        if any(moe.args.bias_update_rate > 0 for moe in layers):
+            self.before_bias_update()
         for moe, layer_counts in zip(layers, self.counts):
             if moe.args.bias_update_rate > 0:
                 update_expert_bias(moe, layer_counts, moe.args.bias_update_rate)
