@@ -121,7 +121,8 @@ BF16_LAYOUTS = {
     "bf16_cp2": (2, ["--training.local_batch_size", "8", *CP2], ()),  # attention parts on cuDNN
     "bf16_fsdp2_float8": (2, ["--training.local_batch_size", "4", "--float8.enable",
                               "--float8.enable_fsdp_float8_all_gather"], ("--float8.enable",)),
-    "bf16_tp2_float8": (2, ["--training.local_batch_size", "8", *TP2, "--float8.enable"], ("--float8.enable",)),
+    "bf16_tp2_float8": (2, ["--training.local_batch_size", "8", *TP2, "--float8.enable"],
+                        ("--float8.enable",)),
     "bf16_tp2_async": (2, ["--training.local_batch_size", "8", *TP2, "--compile.enable",
                            "--parallelism.enable_async_tensor_parallel"], ()),  # micro-pipelined TP
 }  # fmt: skip
