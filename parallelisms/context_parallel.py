@@ -53,10 +53,12 @@ class _GatherChunks(torch.autograd.Function):
 
 def sequence_order(by_rank: torch.Tensor) -> torch.Tensor:
     """(cp, 2, batch, kv_heads, 2 x chunk, dim) as gathered, rank j holding chunks j and 2cp-1-j
-    -> (2, batch, kv_heads, seq, dim) in sequence order."""
+    -> (2, batch, kv_heads, seq, dim) in sequence order, in one copy (one concatenation)."""
     halves = by_rank.unflatten(-2, (2, -1))
-    chunks = torch.cat([halves[:, :, :, :, 0], halves[:, :, :, :, 1].flip(0)])
-    return chunks.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)
+    degree = by_rank.shape[0]
+    firsts = [halves[rank, :, :, :, 0] for rank in range(degree)]
+    seconds = [halves[rank, :, :, :, 1] for rank in reversed(range(degree))]
+    return torch.cat(firsts + seconds, dim=3)
 
 
 def rank_order(sequence: torch.Tensor, degree: int) -> torch.Tensor:
