@@ -50,7 +50,7 @@ def main() -> None:
     distributed.init_process_group(device)
     model = build_model(config, dims, dims.build_mesh("cuda"), device)
     net = model.parts[0]
-    params = [p for p in net.parameters()]
+    params = list(net.parameters())
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=True)

@@ -5,8 +5,10 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from conftest import TINY, read_metrics, run_train
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import models.grouped_experts as grouped_experts
@@ -24,6 +26,7 @@ from models.moe import (
     update_expert_bias,
 )
 from models.spec import model_args
+from training.expert_balance import ExpertBalance
 from training.memory_estimate import ACTIVATION_BYTES_PER_FFN
 
 SPEC = get_model_spec("qwen3_moe")
@@ -200,11 +203,6 @@ def test_update_expert_bias_moves_towards_balance_and_stays_zero_mean():
 def test_bias_update_lets_a_running_save_take_its_copies_first():
     """The biases are saved state changed in place after the optimizer step, which a non-finite
     step may skip (and with it the pre-hook that takes a running save's copies over)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from training.expert_balance import ExpertBalance
-
     model = torch.nn.ModuleDict({"moe": layer(score_func="sigmoid", bias_update_rate=0.01)})
     model["moe"](torch.randn(2, 8, 16))  # counts for the update
     seen = []
