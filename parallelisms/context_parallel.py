@@ -15,8 +15,11 @@ gradients are computed. With a document mask (models/attention.py) a rank's quer
 gathered keys under the mask built for their positions. Works on gloo (CPU) and NCCL (CUDA) alike.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -48,7 +51,8 @@ class _GatherChunks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return ctx.exchange.finish_scatter(ctx.exchange.start_scatter(grad)), None
+        by_rank = rank_order(grad, ctx.exchange.degree).contiguous()
+        return ctx.exchange.finish_scatter(ctx.exchange.start_scatter(by_rank)), None
 
 
 def sequence_order(by_rank: torch.Tensor) -> torch.Tensor:
@@ -65,6 +69,25 @@ def rank_order(sequence: torch.Tensor, degree: int) -> torch.Tensor:
     """The inverse of sequence_order."""
     chunks = sequence.unflatten(3, (2 * degree, -1)).permute(3, 0, 1, 2, 4, 5)
     return torch.stack([chunks[:degree], chunks[degree:].flip(0)], dim=4).flatten(4, 5)
+
+
+def prefix_gradients_by_rank(parts: list[tuple[int, torch.Tensor, torch.Tensor]], seq: int, degree: int):
+    """The gathered keys' gradients, ready to reduce-scatter: (cp, 2, batch, kv_heads, 2 x chunk,
+    dim) in rank order, the sum of the parts' (start, dk, dv), each the K and V gradients of the
+    keys before `start` (zeros where no part reaches). On CUDA one compiled kernel reads each
+    part once and writes the result (eagerly: zeros, adds and a reorder, ~6 passes over all keys)."""
+    gradients = _prefix_gradients_by_rank_compiled() if parts[0][1].is_cuda else _prefix_gradients_by_rank
+    return gradients(parts, seq, degree)
+
+
+def _prefix_gradients_by_rank(parts, seq: int, degree: int) -> torch.Tensor:
+    padded = [F.pad(torch.stack([dk, dv]), (0, 0, 0, seq - start)) for start, dk, dv in parts]
+    return rank_order(sum(padded[1:], padded[0]), degree).contiguous()
+
+
+@functools.cache
+def _prefix_gradients_by_rank_compiled():
+    return torch.compile(_prefix_gradients_by_rank, dynamic=False)
 
 
 class KVExchange:
@@ -88,12 +111,12 @@ class KVExchange:
         work.wait()
         return sequence_order(gathered)
 
-    def start_scatter(self, grad: torch.Tensor):
-        """grad: (2, batch, kv_heads, seq, dim) for the whole sequences, summed over the ranks."""
-        by_rank = rank_order(grad, self.degree)
-        out = grad.new_empty(by_rank.shape[1:])
+    def start_scatter(self, by_rank: torch.Tensor):
+        """by_rank: (cp, 2, batch, kv_heads, 2 x chunk, dim), contiguous: the whole sequences' K/V
+        gradients in rank order (rank_order), to be summed over the ranks."""
+        out = by_rank.new_empty(by_rank.shape[1:])
         work = dist.reduce_scatter_tensor(
-            out, by_rank.flatten(0, 1).contiguous(), op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            out, by_rank.flatten(0, 1), op=dist.ReduceOp.SUM, group=self.group, async_op=True
         )
         return out, work
 
@@ -107,11 +130,15 @@ class KVExchange:
 class WholeSequenceExchange(KVExchange):
     """Stands in for the cp group in one process that holds the whole sequences' K/V (tests,
     scripts/benchmark_attention.py): nothing is communicated, and the gradients meant for the
-    keys' owners are kept in `scattered` (this rank's share is returned as zeros)."""
+    keys' owners are kept (`scattered`, in sequence order; this rank's share is returned as zeros)."""
 
     def __init__(self, kv: torch.Tensor, rank: int, degree: int):
         super().__init__(None, rank, degree)
-        self.kv, self.scattered = kv, None
+        self.kv, self.scattered_by_rank = kv, None
+
+    @property
+    def scattered(self) -> torch.Tensor:
+        return sequence_order(self.scattered_by_rank)
 
     def start_gather(self, kv: torch.Tensor):
         return self.kv
@@ -119,9 +146,9 @@ class WholeSequenceExchange(KVExchange):
     def finish_gather(self, pending) -> torch.Tensor:
         return pending
 
-    def start_scatter(self, grad: torch.Tensor):
-        self.scattered = grad
-        return torch.zeros_like(rank_order(grad, self.degree)[self.rank])
+    def start_scatter(self, by_rank: torch.Tensor):
+        self.scattered_by_rank = by_rank
+        return torch.zeros_like(by_rank[self.rank])
 
     def finish_scatter(self, pending) -> torch.Tensor:
         return pending
@@ -166,15 +193,15 @@ class _CausalChunkAttention(torch.autograd.Function):
         # Each chunk's output gradient made contiguous once (both its parts' kernels read it).
         douts = [d.contiguous() for d in dout.chunk(2, dim=2)]
         dq_before = [None, None]  # from the keys before each chunk
-        dkv = torch.zeros((2, *keys.shape), dtype=keys.dtype, device=keys.device)
+        before = []  # (start, dk, dv) of the keys before each chunk
         for i, start in enumerate(_chunk_starts(q, ctx.exchange)):
             if start:
                 dq_before[i], dk_part, dv_part = part_backward(
                     douts[i], queries[i], keys[:, :, :start], values[:, :, :start], outs[i], lses[i], False
                 )
-                dkv[0, :, :, :start] += dk_part
-                dkv[1, :, :, :start] += dv_part
-        pending = ctx.exchange.start_scatter(dkv)
+                before.append((start, dk_part, dv_part))
+        degree = ctx.exchange.degree
+        pending = ctx.exchange.start_scatter(prefix_gradients_by_rank(before, keys.shape[2], degree))
         # The chunks' own squares: one batched kernel call, as in forward.
         dq_own, dk_local, dv_local = (
             _batch_as_chunks(grad).flatten(2, 3)
