@@ -75,7 +75,7 @@ def prefix_gradients_by_rank(parts: list[tuple[int, torch.Tensor, torch.Tensor]]
     """The gathered keys' gradients, ready to reduce-scatter: (cp, 2, batch, kv_heads, 2 x chunk,
     dim) in rank order, the sum of the parts' (start, dk, dv), each the K and V gradients of the
     keys before `start` (zeros where no part reaches). On CUDA one compiled kernel reads each
-    part once and writes the result (eagerly: zeros, adds and a reorder, ~6 passes over all keys)."""
+    part once and writes the result; eagerly (CPU) the padding, sum and reorder are passes apart."""
     gradients = _prefix_gradients_by_rank_compiled() if parts[0][1].is_cuda else _prefix_gradients_by_rank
     return gradients(parts, seq, degree)
 
