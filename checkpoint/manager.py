@@ -109,9 +109,16 @@ class Checkpointer:
             _warn_about_unused_saving_keys(config)
 
     def _attach_writer(self, stager: Stager) -> None:
-        if self.writer is not None and stager.arena is not None:
+        if self.writer is None:
+            return
+        # The ranks' writers save together (one group): either every rank has shared buffers and
+        # writes from its process, or every rank writes from a thread. (A rank whose shared memory
+        # was refused, alone in a thread, would leave the others' writers waiting for its own.)
+        everywhere = torch.tensor([int(stager.arena is not None)])
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
+        if everywhere.item():
             self.writer.attach(stager.arena.fd)
-        elif self.writer is not None:  # no shared buffers after all: write from a thread
+        else:  # no shared buffers after all, here or on another rank: write from a thread
             self.writer.close()
             self.writer = None
 

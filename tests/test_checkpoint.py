@@ -330,6 +330,64 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
         dist.destroy_process_group()
 
 
+def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int) -> None:
+    """One rank of test_writers_agree_when_one_rank_has_no_shared_memory (a spawned process)."""
+    import errno
+
+    import torch.distributed as dist
+
+    from checkpoint import staging
+    from checkpoint.manager import Checkpointer, complete_steps
+    from checkpoint.state import TrainState
+    from configs.schema import Checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the writers meet there too
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if rank == 1:
+
+        def refused(*args, **kwargs):
+            raise OSError(errno.ENOMEM, "shared memory refused (test)")
+
+        staging.HostArena = refused
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizers = type("Optimizers", (), {"parts": [optimizer]})()
+    dataloader = type("Loader", (), {"state_dict": lambda self: {"position": 3}})()
+    config = Checkpoint(enable=True, async_mode="async", async_writer="process")
+    checkpointer = Checkpointer(config, Path(folder), [model], optimizers, dataloader, TrainState(), None, 10)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()  # (the host buffers are made after the first step)
+    assert checkpointer.writer is None, f"rank {rank} kept its writer process"
+    checkpointer.save(1)
+    checkpointer.wait()
+    assert complete_steps(Path(folder) / "checkpoint") == [1]
+    checkpointer.close()
+    dist.destroy_process_group()
+
+
+def test_writers_agree_when_one_rank_has_no_shared_memory(tmp_path):
+    """If one rank gets no shared memory for its host buffers (it writes from a thread), every rank
+    writes from a thread: a writer process saving alongside would wait for that rank's writer."""
+    import multiprocessing
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    ranks = [
+        context.Process(target=_save_with_shared_memory_refused_on_rank_1, args=(rank, str(tmp_path), port))
+        for rank in range(2)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0, 0]
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_data_file_writes_an_ordinary_files_bytes_and_checksums(direct, monkeypatch, tmp_path):
     """checkpoint/data_files.py: bytes written in pieces (the last one padded for O_DIRECT, then
