@@ -111,6 +111,11 @@ class Checkpointer:
     def _attach_writer(self, stager: Stager) -> None:
         if self.writer is None:
             return
+        # No save may run meanwhile: it uses the same group and talks to the writer. (None does: the
+        # buffers are made at the first update, or, when every update so far was skipped as
+        # non-finite, inside the first save's optimizer_state(), whose DCP call runs a zero step,
+        # before that save starts. The wait keeps this true if either changes.)
+        self.wait()
         # The ranks' writers save together (one group): either every rank has shared buffers and
         # writes from its process, or every rank writes from a thread. (A rank whose shared memory
         # was refused, alone in a thread, would leave the others' writers waiting for its own.)

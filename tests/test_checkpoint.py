@@ -380,11 +380,13 @@ def test_writers_agree_when_one_rank_has_no_shared_memory(tmp_path):
     ]
     for process in ranks:
         process.start()
+    deadline = time.monotonic() + 120
     for process in ranks:
-        process.join(timeout=120)
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in ranks:
         if process.is_alive():
             process.kill()
+            process.join()
     assert [process.exitcode for process in ranks] == [0, 0]
 
 
