@@ -290,6 +290,22 @@ def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
         dist.destroy_process_group()
 
 
+def _async_checkpointer(folder: Path):
+    """(model, optimizer, Checkpointer) of a tiny Linear model, saving async through writer
+    processes (the process group already made)."""
+    from checkpoint.manager import Checkpointer
+    from checkpoint.state import TrainState
+    from configs.schema import Checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizers = type("Optimizers", (), {"parts": [optimizer]})()
+    dataloader = type("Loader", (), {"state_dict": lambda self: {"position": 3}})()
+    config = Checkpoint(enable=True, async_mode="async", async_writer="process")
+    checkpointer = Checkpointer(config, folder, [model], optimizers, dataloader, TrainState(), None, 10)
+    return model, optimizer, checkpointer
+
+
 def test_async_save_is_committed_when_its_write_ends(tmp_path):
     """An async save is committed (checksums written, renamed step-N) by its background writer as
     soon as the write ends: with nothing else called on the checkpointer (no later save, no end of
@@ -298,18 +314,11 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
     tensor made after the buffers completes too."""
     import torch.distributed as dist
 
-    from checkpoint.manager import Checkpointer, complete_steps
-    from checkpoint.state import TrainState
-    from configs.schema import Checkpoint
+    from checkpoint.manager import complete_steps
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = torch.nn.Linear(4, 4)
-        optimizer = torch.optim.AdamW(model.parameters())
-        optimizers = type("Optimizers", (), {"parts": [optimizer]})()
-        dataloader = type("Loader", (), {"state_dict": lambda self: {"position": 3}})()
-        config = Checkpoint(enable=True, async_mode="async", async_writer="process")
-        checkpointer = Checkpointer(config, tmp_path, [model], optimizers, dataloader, TrainState(), None, 10)
+        model, optimizer, checkpointer = _async_checkpointer(tmp_path)
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()  # (the host buffers are made after the first step)
         checkpointer.save(1)
@@ -337,9 +346,7 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
     import torch.distributed as dist
 
     from checkpoint import staging
-    from checkpoint.manager import Checkpointer, complete_steps
-    from checkpoint.state import TrainState
-    from configs.schema import Checkpoint
+    from checkpoint.manager import complete_steps
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the writers meet there too
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -349,12 +356,7 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
             raise OSError(errno.ENOMEM, "shared memory refused (test)")
 
         staging.HostArena = refused
-    model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters())
-    optimizers = type("Optimizers", (), {"parts": [optimizer]})()
-    dataloader = type("Loader", (), {"state_dict": lambda self: {"position": 3}})()
-    config = Checkpoint(enable=True, async_mode="async", async_writer="process")
-    checkpointer = Checkpointer(config, Path(folder), [model], optimizers, dataloader, TrainState(), None, 10)
+    model, optimizer, checkpointer = _async_checkpointer(Path(folder))
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()  # (the host buffers are made after the first step)
     assert checkpointer.writer is None, f"rank {rank} kept its writer process"
