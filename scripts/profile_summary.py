@@ -5,12 +5,19 @@
 Reads a trace written by `[profiling]` (or scripts/benchmark.py --profile-dir) and prints a table
 per step: matmul, attention, optimizer, NCCL, copies, compiled element-wise (Triton) and other
 kernels, with the time the GPU was idle between kernels over the traced span.
+
+--inductor-code DIR adds the bytes each compiled (Triton) kernel moves and the bandwidth it
+reached, read from the code inductor generated in DIR when the traced run had
+TORCHINDUCTOR_CACHE_DIR=DIR TORCHINDUCTOR_BENCHMARK_KERNEL=1 (the kernels' `kernel_num_gb`: every
+input and output counted once). A kernel far below the card's ~4 TB/s is worth reading there.
 """
 
 import argparse
 import collections
 import gzip
 import json
+import pathlib
+import re
 import sys
 
 KINDS = [  # first match wins; names as CUDA kernels are called in torch 2.11 traces on the H200
@@ -21,6 +28,7 @@ KINDS = [  # first match wins; names as CUDA kernels are called in torch 2.11 tr
     ("triton", ("triton",)),
     ("copy", ("memcpy", "memset", "copy", "cat")),
 ]
+NAME_LENGTH = 110  # kernel names are cut to this in the tables
 
 
 def kind(name: str) -> str:
@@ -46,6 +54,32 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def triton_kernel_gigabytes(code_dir: str) -> dict[str, set[float]]:
+    """Kernel name -> the GB inductor counted for it, over every generated module in code_dir
+    (one name can stand for different kernels in different graphs: then there are several)."""
+    sizes = collections.defaultdict(set)
+    definition = re.compile(r"^(triton_\w+) = async_compile\.triton\(", re.M)
+    for path in pathlib.Path(code_dir).rglob("*.py"):
+        text = path.read_text(errors="replace")
+        starts = list(definition.finditer(text)) + [None]
+        for start, end in zip(starts, starts[1:]):
+            body = text[start.start() : end.start() if end else len(text)]
+            found = re.search(r"'kernel_num_gb': ([0-9.e-]+)", body)
+            if found:
+                sizes[start.group(1)].add(float(found.group(1)))
+    return sizes
+
+
+def bandwidth_note(name: str, ms_per_call: float, sizes: dict[str, set[float]]) -> str:
+    truncated = len(name) == NAME_LENGTH
+    same = [gbs for kernel, gbs in sizes.items() if kernel == name or (truncated and kernel.startswith(name))]
+    matches = set().union(*same)
+    if len(matches) != 1:
+        return "  (bytes unknown)" if not matches else "  (several kernels by this name)"
+    (gigabytes,) = matches
+    return f"  {gigabytes:.3f} GB, {gigabytes / ms_per_call:.2f} TB/s"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -53,6 +87,7 @@ def main() -> int:
     parser.add_argument("trace")
     parser.add_argument("--steps", type=int, default=2, help="steps the trace spans (default: %(default)s)")
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--inductor-code", help="inductor's cache dir of the traced run (see above)")
     args = parser.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -64,8 +99,8 @@ def main() -> int:
     calls = collections.Counter()
     for e in kernels:
         by_kind[kind(e["name"])] += e["dur"]
-        by_name[e["name"][:110]] += e["dur"]
-        calls[e["name"][:110]] += 1
+        by_name[e["name"][:NAME_LENGTH]] += e["dur"]
+        calls[e["name"][:NAME_LENGTH]] += 1
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     per_step = 1000.0 * args.steps  # trace microseconds -> ms per step
@@ -75,8 +110,12 @@ def main() -> int:
     for label, total in by_kind.most_common():
         print(f"| {label} | {total / per_step:.1f} | {100 * total / busy:.0f}% |")
     print(f"\ntop {args.top} kernels (ms/step, calls/step):")
+    sizes = triton_kernel_gigabytes(args.inductor_code) if args.inductor_code else None
     for name, total in by_name.most_common(args.top):
-        print(f"{total / per_step:8.2f} {calls[name] / args.steps:6.0f}  [{kind(name)}] {name}")
+        line = f"{total / per_step:8.2f} {calls[name] / args.steps:6.0f}  [{kind(name)}] {name}"
+        if sizes is not None and kind(name) == "triton":
+            line += bandwidth_note(name, total / 1000.0 / calls[name], sizes)  # trace us -> ms per call
+        print(line)
     return 0
 
 

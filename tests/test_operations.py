@@ -1,5 +1,6 @@
 """Running real jobs: the non-finite guard, validation, profiling, launchers, plots, dry runs."""
 
+import gzip
 import json
 import math
 import os
@@ -104,6 +105,33 @@ def test_profiler_traces_chosen_steps(tmp_path):
     files = sorted(p.name for p in (tmp_path / "profiles").iterdir())
     assert files == ["rank0_step3-4.json.gz", "rank0_step3-4.txt"]
     assert "aten::mm" in (tmp_path / "profiles" / "rank0_step3-4.txt").read_text()
+
+
+def test_profile_summary_gives_each_compiled_kernels_bandwidth(tmp_path):
+    """A trace of two steps and inductor's generated code (as with TORCHINDUCTOR_BENCHMARK_KERNEL=1):
+    each Triton kernel's bytes and TB/s; a name that is a prefix of another is not mixed up with it."""
+    calls = {"triton_red_fused_amax_1": (250, 3), "triton_red_fused_amax_12": (100, 1), "nvjet": (900, 1)}
+    events, clock = [], 0
+    for name, (microseconds, per_step) in calls.items():
+        for _ in range(2 * per_step):
+            events.append({"cat": "kernel", "name": name, "ts": clock, "dur": microseconds})
+            clock += microseconds + 1
+    trace = tmp_path / "rank0_step5-6.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    code = tmp_path / "inductor" / "ab"
+    code.mkdir(parents=True)
+    (code / "cab.py").write_text("".join(
+        f"{name} = async_compile.triton('{name}', \'\'\'\n@triton_heuristics.reduction(inductor_meta="
+        f"{{'kernel_num_gb': {gb}}})\ndef {name}(in_ptr0):\n    pass\n\'\'\')\n\n"
+        for name, gb in (("triton_red_fused_amax_1", 0.5), ("triton_red_fused_amax_12", 0.3))))  # fmt: skip
+    summary = subprocess.run([sys.executable, str(REPO / "scripts/profile_summary.py"), str(trace),
+                              "--inductor-code", str(tmp_path / "inductor")],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+    lines = {line.split("] ")[1].split()[0]: line for line in summary.splitlines() if "] " in line}
+    assert lines["triton_red_fused_amax_1"].endswith("0.500 GB, 2.00 TB/s")  # 0.5 GB in 0.25 ms
+    assert lines["triton_red_fused_amax_12"].endswith("0.300 GB, 3.00 TB/s")
+    assert "GB" not in lines["nvjet"]
 
 
 def test_plot_metrics_draws_runs(tmp_path):
