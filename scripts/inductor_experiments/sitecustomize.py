@@ -47,7 +47,10 @@ if _chosen:
         from torch._inductor.virtualized import V
 
         V.set_choices_handler(AlignedSplits())
-    inductor_config.triton.tile_reductions = "tile_reductions" in _chosen
-    inductor_config.triton.prefer_nd_tiling = "prefer_nd_tiling" in _chosen
-    inductor_config.coordinate_descent_tuning = "coordinate_descent" in _chosen
+    if "tile_reductions" in _chosen:
+        inductor_config.triton.tile_reductions = True
+    if "prefer_nd_tiling" in _chosen:
+        inductor_config.triton.prefer_nd_tiling = True
+    if "coordinate_descent" in _chosen:  # as TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1
+        inductor_config.coordinate_descent_tuning = True
     print(f"inductor experiment: {', '.join(_chosen)}", file=sys.stderr)
