@@ -372,9 +372,7 @@ def test_writers_agree_when_one_rank_has_no_shared_memory(tmp_path):
     writes from a thread: a writer process saving alongside would wait for that rank's writer."""
     import multiprocessing
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     ranks = [
         context.Process(target=_save_with_shared_memory_refused_on_rank_1, args=(rank, str(tmp_path), port))
