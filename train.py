@@ -57,6 +57,7 @@ if __name__ == "__main__":
         sys.exit(report_user_error(e))
 
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 
@@ -252,4 +253,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Python's exit walks every object still alive for cycles; with torch's distributed and compiler
+    # modules loaded that is ~1.3 s of CPU per process, for nothing: the process is ending.
+    gc.freeze()
+    sys.exit(code)
