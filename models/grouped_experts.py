@@ -14,8 +14,10 @@ from torch import nn
 def local_tensor(weight: torch.Tensor) -> torch.Tensor:
     """The part of a weight this rank holds. A parallelism may hand the router and expert weights
     over as DTensors (replicated over tensor parallelism, models/moe_plans.py; sharded over experts
-    by expert parallelism), whose local tensors the layer computes with; a plain tensor is itself."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
+    by expert parallelism), whose local tensors the layer computes with; a plain tensor is itself.
+    (Asked of the type: torch.compile, outside a checkpointed block, answered hasattr(weight,
+    "to_local") False for a DTensor parameter, torch 2.13.)"""
+    return weight.to_local() if hasattr(type(weight), "to_local") else weight
 
 
 def grouped_mm_runs(tokens: torch.Tensor, *weights: torch.Tensor) -> bool:

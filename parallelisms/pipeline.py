@@ -176,35 +176,46 @@ def _check_tied_weights_within_stages(model: nn.Module, groups: list[list[str]])
 
 
 class ShapeInferenceCounts:
-    """Mixture-of-Experts token counts must cover the step's micro-batches only, but on the first
-    step torch.distributed.pipelining runs each stage once more, first, to infer the shapes it sends
-    (torch 2.13: a forward of the first micro-batch or of empty tensors). Here each MoE layer's
-    counts are watched through that first step; if a stage ran one forward more than it has
-    micro-batches, that first forward's counts are taken back. Torch versions that infer shapes
-    without running the stage leave nothing to take back."""
+    """Mixture-of-Experts statistics (token counts, balance losses) must cover the step's
+    micro-batches only, but on the first step torch.distributed.pipelining runs each stage once
+    more, first, to infer the shapes it sends (a forward of the first micro-batch or of empty
+    tensors). torch 2.13 keeps what that forward adds to the layers' buffers; torch 2.14 puts the
+    buffers back afterwards. So each MoE layer's buffers are watched forward by forward through the
+    first step, and then set to what its last n_microbatches counting forwards added: right
+    whichever torch ran."""
 
     def __init__(self, parts: list[nn.Module]):
-        self.snapshots: dict[nn.Module, list[torch.Tensor]] = {}
+        self.before: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.added: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.hooks = []
         for part in parts:
             for moe in moe_layers(part).values():
-                self.snapshots[moe] = []
-                self.hooks.append(moe.register_forward_hook(self._snapshot))
+                self.added[moe] = []
+                self.hooks.append(moe.register_forward_pre_hook(self._entering))
+                self.hooks.append(moe.register_forward_hook(self._leaving))
 
-    def _snapshot(self, moe: nn.Module, inputs, output) -> None:
-        history = self.snapshots[moe]
+    @staticmethod
+    def _buffers(moe: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe.tokens_per_expert.clone(), moe.aux_loss.clone()
+
+    def _entering(self, moe: nn.Module, inputs) -> None:
+        self.before[moe] = self._buffers(moe)
+
+    def _leaving(self, moe: nn.Module, inputs, output) -> None:
+        (counts, aux), (counts_before, aux_before) = self._buffers(moe), self.before.pop(moe)
         # Forwards that counted (not evaluation, not activation checkpointing's recomputation).
-        if not history or not torch.equal(history[-1], moe.tokens_per_expert):
-            history.append(moe.tokens_per_expert.clone())
+        if not torch.equal(counts, counts_before):
+            self.added[moe].append((counts - counts_before, aux - aux_before))
 
     def take_back(self, n_microbatches: int) -> None:
         """After the first training step (later calls do nothing)."""
-        for moe, history in self.snapshots.items():
-            if len(history) == n_microbatches + 1:
-                moe.tokens_per_expert.sub_(history[0])  # counts were zero before the step
+        for moe, added in self.added.items():
+            if len(added) > n_microbatches:
+                moe.tokens_per_expert.copy_(torch.stack([c for c, _ in added[-n_microbatches:]]).sum(0))
+                moe.aux_loss.copy_(torch.stack([a for _, a in added[-n_microbatches:]]).sum(0))
         for hook in self.hooks:
             hook.remove()
-        self.snapshots, self.hooks = {}, []
+        self.before, self.added, self.hooks = {}, {}, []
 
 
 class Pipeline:

@@ -137,8 +137,9 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
     for got, want in zip(records, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"step {got['step']}"
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), f"step {got['step']}"
-        if "moe_max_load" in want:  # the same routing: counts summed over the right ranks
+        if "moe_max_load" in want:  # the same routing: counts and balance losses summed over the right ranks
             assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-6), f"step {got['step']}"
+            assert got["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=1e-5), f"step {got['step']}"
 
 
 # Pipeline x tensor parallelism on gloo: torch's pipelining P2P (batch_isend_irecv, unstable on
