@@ -180,32 +180,33 @@ class ShapeInferenceCounts:
     micro-batches only, but on the first step torch.distributed.pipelining runs each stage once
     more, first, to infer the shapes it sends (a forward of the first micro-batch or of empty
     tensors). torch 2.13 keeps what that forward adds to the layers' buffers; torch 2.14 puts the
-    buffers back afterwards. So each MoE layer's buffers are watched forward by forward through the
-    first step, and then set to what its last n_microbatches counting forwards added: right
-    whichever torch ran."""
+    buffers back afterwards. So the buffers are watched stage forward by stage forward through the
+    first step (hooks on the stage module, outside the compiled blocks), and then each layer's set
+    to what its stage's last n_microbatches counting forwards added: right whichever torch ran."""
 
     def __init__(self, parts: list[nn.Module]):
-        self.before: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.added: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.layers = {part: list(moe_layers(part).values()) for part in parts}
+        self.before: dict[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.added = {moe: [] for layers in self.layers.values() for moe in layers}
         self.hooks = []
-        for part in parts:
-            for moe in moe_layers(part).values():
-                self.added[moe] = []
-                self.hooks.append(moe.register_forward_pre_hook(self._entering))
-                self.hooks.append(moe.register_forward_hook(self._leaving))
+        for part, layers in self.layers.items():
+            if layers:
+                self.hooks.append(part.register_forward_pre_hook(self._entering))
+                self.hooks.append(part.register_forward_hook(self._leaving))
 
     @staticmethod
     def _buffers(moe: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         return moe.tokens_per_expert.clone(), moe.aux_loss.clone()
 
-    def _entering(self, moe: nn.Module, inputs) -> None:
-        self.before[moe] = self._buffers(moe)
+    def _entering(self, part: nn.Module, inputs) -> None:
+        self.before[part] = [self._buffers(moe) for moe in self.layers[part]]
 
-    def _leaving(self, moe: nn.Module, inputs, output) -> None:
-        (counts, aux), (counts_before, aux_before) = self._buffers(moe), self.before.pop(moe)
-        # Forwards that counted (not evaluation, not activation checkpointing's recomputation).
-        if not torch.equal(counts, counts_before):
-            self.added[moe].append((counts - counts_before, aux - aux_before))
+    def _leaving(self, part: nn.Module, inputs, output) -> None:
+        for moe, (counts_before, aux_before) in zip(self.layers[part], self.before.pop(part)):
+            counts, aux = self._buffers(moe)
+            # Forwards that counted (not evaluation, not activation checkpointing's recomputation).
+            if not torch.equal(counts, counts_before):
+                self.added[moe].append((counts - counts_before, aux - aux_before))
 
     def take_back(self, n_microbatches: int) -> None:
         """After the first training step (later calls do nothing)."""
@@ -215,7 +216,7 @@ class ShapeInferenceCounts:
                 moe.aux_loss.copy_(torch.stack([a for _, a in added[-n_microbatches:]]).sum(0))
         for hook in self.hooks:
             hook.remove()
-        self.before, self.added, self.hooks = {}, {}, []
+        self.layers, self.before, self.added, self.hooks = {}, {}, {}, []
 
 
 class Pipeline:

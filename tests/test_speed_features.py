@@ -142,14 +142,25 @@ def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, mod
     assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-4)
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_expert_parallel_compiled(checkpointing, eager_runs, tmp_path):
-    """EP 2 (all-to-all hooks around the experts: blocks are not one graph) with compile, with and
-    without activation checkpointing (dynamo traces the experts' DTensor weights differently inside
-    a checkpointed block): the eager single-process losses, nothing recompiled."""
-    ep = ["--model.name", "qwen3_moe", "--training.local_batch_size", "4",
-          "--parallelism.expert_parallel_degree", "2", *COMPILE,
-          "--activation_checkpoint.mode", checkpointing]  # fmt: skip
-    result = run_train([*COMMON, *ep, "--job.dump_folder", str(tmp_path)], nproc=2)
+EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        # EP 2 (all-to-all hooks around the experts: blocks are not one graph), with and without
+        # checkpointing (dynamo traces the experts' DTensor weights differently inside a checkpoint)
+        [*EP2, "--activation_checkpoint.mode", "none"],
+        [*EP2, "--activation_checkpoint.mode", "full"],
+        # PP 2: whole-block graphs (fullgraph), with the first step's shape-inference bookkeeping
+        # around the stages (parallelisms/pipeline.py) outside them
+        ["--parallelism.pipeline_parallel_degree", "2", *SINGLE],
+    ],
+    ids=["ep2", "ep2-ac", "pp2"],
+)
+def test_moe_compiled_matches_eager(overrides, eager_runs, tmp_path):
+    """The MoE model compiled on two ranks: the eager single-process losses, nothing recompiled."""
+    moe = ["--model.name", "qwen3_moe", *COMPILE, *overrides]
+    result = run_train([*COMMON, *moe, "--job.dump_folder", str(tmp_path)], nproc=2)
     assert_same_losses(read_metrics(tmp_path), eager_runs("qwen3_moe"), rel=1e-5)
     assert "torch.compile: 0 frames compiled after step 2" in result.stdout
