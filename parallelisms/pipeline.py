@@ -212,8 +212,9 @@ class ShapeInferenceCounts:
         """After the first training step (later calls do nothing)."""
         for moe, added in self.added.items():
             if len(added) > n_microbatches:
-                moe.tokens_per_expert.copy_(torch.stack([c for c, _ in added[-n_microbatches:]]).sum(0))
-                moe.aux_loss.copy_(torch.stack([a for _, a in added[-n_microbatches:]]).sum(0))
+                counts, aux_losses = zip(*added[-n_microbatches:])
+                moe.tokens_per_expert.copy_(torch.stack(counts).sum(0))
+                moe.aux_loss.copy_(torch.stack(aux_losses).sum(0))
         for hook in self.hooks:
             hook.remove()
         self.layers, self.before, self.added, self.hooks = {}, {}, {}, []
