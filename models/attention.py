@@ -39,8 +39,31 @@ class CausalAttentionKernel(nn.Module):
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """Attention of q against k, v under a mask from `document_mask` (queries may be fewer)."""
     if isinstance(mask, BlockMask):
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+        options = _flex_tiles(q)
+        return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+# Flex attention's Triton tiles on Hopper in bf16/fp16 at head dimension 64 (the Llama 3 1B
+# shape): forward 64x128 tiles instead of inductor's default 128x128, backward 64x64 tiles with 4
+# warps instead of 64/128 with 8; the fastest that inductor's max-autotune found for
+# document-masked attention at 8k tokens on an H200 (torch 2.11): the 1B document-masked step
+# 45,500 -> 47,100 tok/s (docs/performance.md). At head dimension 128 the autotuned tiles gained
+# nothing in the step; other GPUs, dtypes and head dimensions keep inductor's defaults.
+_HOPPER_FLEX_TILES_HEAD_DIM_64 = {
+    "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4,
+    "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+    "bwd_num_stages": 3, "bwd_num_warps": 4,
+}  # fmt: skip
+
+
+def _flex_tiles(q: torch.Tensor) -> dict | None:
+    """flex attention's kernel_options for q (None: inductor's defaults)."""
+    if q.shape[-1] != 64 or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if torch.cuda.get_device_properties(q.device).major != 9:  # Hopper
+        return None
+    return _HOPPER_FLEX_TILES_HEAD_DIM_64
 
 
 @functools.cache

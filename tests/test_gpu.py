@@ -169,15 +169,17 @@ def test_document_masking_and_moe_layouts_match_one_gpu(name, single, tmp_path):
 
 @gpus(1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_document_mask_equals_the_boolean_mask(dtype):
-    """The CUDA path (a BlockMask for flex attention) against SDPA with the CPU path's boolean mask,
-    for whole sequences and for a context-parallel rank's chunks; outputs and gradients."""
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flex_document_mask_equals_the_boolean_mask(dtype, head_dim):
+    """The CUDA path (a BlockMask for flex attention; on an H100/H200 in bf16 at head dimension 64
+    with models.attention's tiles) against SDPA with the CPU path's boolean mask, for whole
+    sequences and for a context-parallel rank's chunks; outputs and gradients."""
     torch.manual_seed(0)
     seq, eos = 1024, 7
     tokens = torch.randint(0, 64, (2, seq), device="cuda")  # EOS 1 in 64: documents of ~64 tokens
     documents = document_ids(tokens, eos)
-    q = torch.randn(2, 8, seq, 64, device="cuda", dtype=dtype)
-    k, v = (torch.randn(2, 2, seq, 64, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(2, 8, seq, head_dim, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, seq, head_dim, device="cuda", dtype=dtype) for _ in range(2))
     for queries in (None, local_positions(seq, 1, 4).cuda()):
         query = q if queries is None else q[:, :, queries]
         outputs = []
@@ -186,9 +188,12 @@ def test_flex_document_mask_equals_the_boolean_mask(dtype):
             out = masked_attention(*leaves, mask)
             out.float().square().sum().backward()
             outputs.append([out, *(t.grad for t in leaves)])
-        tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
         for flex, boolean in zip(*outputs):
-            torch.testing.assert_close(flex, boolean, **tolerance)
+            if dtype == torch.float32:
+                torch.testing.assert_close(flex, boolean, rtol=1e-4, atol=1e-4)
+            else:  # bf16: two kernels' roundings, element by element up to ~3x apart at head dim 128
+                error = (flex.float() - boolean.float()).norm() / boolean.float().norm()
+                assert error < 1e-2, error
 
 
 @gpus(1)
