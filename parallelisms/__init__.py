@@ -53,7 +53,7 @@ def parallelize(
     4. context parallel: causal attention kernels become all-gather-KV ones over "cp"
     5. activation checkpointing: blocks are wrapped to recompute activations in backward
     6. torch.compile per block: it sees the sharded, wrapped block it will run (with tensor
-       parallelism and whole-block checkpointing it is compiled before 5 and wrapped by it:
+       parallelism and checkpointing on torch < 2.14 it is compiled before 5 and wrapped by it:
        parallelisms/compile.py says why)
     7. FSDP on every block, then on the root: parameters are sharded over the data-parallel (and
        context-parallel) ranks, 2-D DTensors when tensor parallel came first; experts apart, over

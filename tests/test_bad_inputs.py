@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, run_train
 
+from parallelisms.compile import COMPILED_CHECKPOINT_FAILS_WITH_TP
+
 BASE = [*TINY, "--training.steps", "2"]
 
 
@@ -164,10 +166,11 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
 
         ("float8 recipe", ["--float8.enable", "--float8.recipe_name", "rowwise",
                            "--float8.enable_fsdp_float8_all_gather"], "works only with recipe_name = 'tensorwise'"),
-        ("compile x TP x AC by op", ["--job.dry_run", "--job.dry_run_world_size", "2",
-                                     "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
-                                     "--activation_checkpoint.mode", "selective"],
-         "compile with tensor parallelism and activation checkpointing by op"),
+        *([("compile x TP x AC by op", ["--job.dry_run", "--job.dry_run_world_size", "2",
+                                        "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+                                        "--activation_checkpoint.mode", "selective"],
+            "compile with tensor parallelism and activation checkpointing by op")]
+          if COMPILED_CHECKPOINT_FAILS_WITH_TP else []),  # torch < 2.14 only
         ("async TP without TP", ["--job.dry_run", "--parallelism.enable_async_tensor_parallel", "--compile.enable"],
          "parallelism.enable_async_tensor_parallel needs tensor_parallel_degree > 1"),
         ("async TP without compile", ["--job.dry_run", "--job.dry_run_world_size", "2", "--parallelism.tensor_parallel_degree",
