@@ -191,7 +191,7 @@ def test_flex_document_mask_equals_the_boolean_mask(dtype, head_dim):
         for flex, boolean in zip(*outputs):
             if dtype == torch.float32:
                 torch.testing.assert_close(flex, boolean, rtol=1e-4, atol=1e-4)
-            else:  # bf16: two kernels' roundings, element by element up to ~3x apart at head dim 128
+            else:  # bf16: two kernels' roundings; at head dim 128 a few of 500k gradients differ by > 5e-2
                 error = (flex.float() - boolean.float()).norm() / boolean.float().norm()
                 assert error < 1e-2, error
 
