@@ -68,7 +68,7 @@ from checkpoint.state import TrainState
 from data.loader import build_dataloader, plan_batches
 from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
-from training import distributed, profiling
+from training import bf16_weights, distributed, profiling
 from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
 from training.fault_tolerance import FaultTolerance
@@ -136,6 +136,7 @@ def train(config: JobConfig) -> int:
         model.spec.state_dict_adapter(model.args), config.training.steps,
     )  # fmt: skip
     resumed = checkpointer.load()
+    bf16_weights.refresh(model.parts)  # the bf16 copies of the loaded weights, if the layers have any
     fault_tolerance.register_state(
         model.parts, optimizers, dataloader, train_state, before_load=checkpointer.before_state_changes
     )
@@ -164,7 +165,7 @@ def train(config: JobConfig) -> int:
         f"{config.training.seq_len} tokens ({config.training.local_batch_size} per micro-batch x "
         f"{dp_degree} data-parallel x {accumulation_steps} accumulation), output in {dump_folder}"
     )
-    parameters = [p for part in model.parts for p in part.parameters()]
+    gradient_holders = bf16_weights.gradient_holders(model.parts)  # for the gradient norm
     pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
     nonfinite_guard = NonFiniteGuard(
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
@@ -184,7 +185,7 @@ def train(config: JobConfig) -> int:
         lr = optimizers.set_lr(step)
         micro_batches = dataloader.next_step()
         step_loss = step_runner.forward_backward(micro_batches)
-        grad_norm = global_grad_norm(parameters, pp_group)
+        grad_norm = global_grad_norm(gradient_holders, pp_group)
         if not fault_tolerance.commit():  # a replica group failed during the step: no update anywhere
             optimizers.zero_grad()
             continue
@@ -230,8 +231,8 @@ def train(config: JobConfig) -> int:
     metrics.close()
     fault_tolerance.close()
     if config.compile.enable:
-        frames = step_runner.recompiles.recompiled
-        logger.info(f"torch.compile: {frames} frame{'s' * (frames != 1)} compiled after step 2")
+        graphs = step_runner.recompiles.recompiled
+        logger.info(f"torch.compile: {graphs} graph{'s' * (graphs != 1)} compiled after step 2")
     logger.info("training done" if not stop_signals.name else "training stopped")
     distributed.destroy_process_group(wait_for_peers=True)
     return 130 if stop_signals.name == "SIGINT" else 0

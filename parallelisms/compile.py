@@ -51,13 +51,15 @@ def apply_compile(model: nn.Module, fullgraph: bool) -> None:
         block.compile(fullgraph=fullgraph)
 
 
-def compiled_frames() -> int:
-    """Frames torch.compile has compiled so far in this process (recompilations included)."""
-    return int(torch._dynamo.utils.counters["frames"]["ok"])
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled so far in this process (recompilations included). Counted
+    by dynamo's "unique_graphs", which every compilation adds to; its "frames" counters leave out
+    fullgraph compilations (torch 2.11-2.14), which is how blocks are compiled."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 class RecompileWatch:
-    """Counts frames compiled after warm-up, which means shapes or guards changed and steps run
+    """Counts graphs compiled after warm-up, which means shapes or guards changed and steps run
     slowly meanwhile: warns when it happens. Training compiles everything in its first two steps
     (the second may differ in grad state), evaluation in its first batch."""
 
@@ -68,17 +70,17 @@ class RecompileWatch:
 
     @contextlib.contextmanager
     def watch(self, kind: str, warm_up_calls: int):
-        """Around one call of `kind` ("train", "eval"); frames it compiles after the first
+        """Around one call of `kind` ("train", "eval"); graphs it compiles after the first
         warm_up_calls calls of that kind count as recompilations."""
-        before = compiled_frames() if self.enabled else 0
+        before = compiled_graphs() if self.enabled else 0
         yield
         if not self.enabled:
             return
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        new = compiled_frames() - before
+        new = compiled_graphs() - before
         if new and self.calls[kind] > warm_up_calls:
             self.recompiled += new
             logger.warning(
-                f"torch.compile compiled {new} more frames in {kind} call {self.calls[kind]}; steps are "
+                f"torch.compile compiled {new} more graphs in {kind} call {self.calls[kind]}; steps are "
                 "slow meanwhile (shapes or guards changed)"
             )

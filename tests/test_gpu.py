@@ -125,6 +125,10 @@ BF16_LAYOUTS = {
                         ("--float8.enable",)),
     "bf16_tp2_async": (2, ["--training.local_batch_size", "8", *TP2, "--compile.enable",
                            "--parallelism.enable_async_tensor_parallel"], ()),  # micro-pipelined TP
+    # One GPU, unwrapped: the reference computes on bf16 weight copies (training/bf16_weights.py).
+    "bf16_autocast": (1, ["--training.local_batch_size", "8", "--training.bf16_weight_copies", "false"], ()),
+    "bf16_copies_compile": (1, ["--training.local_batch_size", "8", "--compile.enable"], ()),
+    "bf16_copies_accumulate": (1, ["--training.local_batch_size", "4"], ()),  # gradients add up in bf16
 }  # fmt: skip
 
 

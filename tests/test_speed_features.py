@@ -80,7 +80,31 @@ PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context
 def test_compile_matches_eager_without_recompiles(nproc, overrides, eager_runs, tmp_path):
     result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
     assert_same_losses(read_metrics(tmp_path), eager_runs(documents="document" in overrides), rel=1e-5)
-    assert "torch.compile: 0 frames compiled after step 2" in result.stdout
+    assert "torch.compile: 0 graphs compiled after step 2" in result.stdout
+
+
+def test_recompile_watch_counts_fullgraph_recompilations():
+    """A block compiled whole (fullgraph, as apply_compile compiles blocks) that compiles again
+    after warm-up is counted: dynamo's frame counters, which the watch read before, leave
+    fullgraph compilations out, so "0 frames compiled after step 2" held whatever compiled."""
+    import torch
+
+    from parallelisms.compile import RecompileWatch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x).relu()
+
+    block, watch = Block(), RecompileWatch(enabled=True)
+    block.compile(fullgraph=True, backend="eager")
+    for dtype in (torch.float32, torch.float32, torch.float32, torch.float64):  # the last recompiles
+        with watch.watch("train", warm_up_calls=2):
+            block.to(dtype)(torch.randn(2, 4, dtype=dtype))
+    assert watch.calls["train"] == 4 and watch.recompiled == 1
 
 
 @pytest.mark.parametrize(
@@ -168,4 +192,4 @@ def test_moe_compiled_matches_eager(overrides, eager_runs, tmp_path):
     moe = ["--model.name", "qwen3_moe", *COMPILE, *overrides]
     result = run_train([*COMMON, *moe, "--job.dump_folder", str(tmp_path)], nproc=2)
     assert_same_losses(read_metrics(tmp_path), eager_runs("qwen3_moe"), rel=1e-5)
-    assert "torch.compile: 0 frames compiled after step 2" in result.stdout
+    assert "torch.compile: 0 graphs compiled after step 2" in result.stdout

@@ -15,9 +15,11 @@ from configs.schema import LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
 from models import get_model_spec
 from models.spec import model_args
+from training import bf16_weights
 from training.grad_clip import clip_divisor, global_grad_norm
 from training.metrics import lookup_peak_tflops
 from training.optimizer import Optimizers, lr_factor
+from training.weight_init import init_weights, materialize
 
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
 
@@ -98,6 +100,87 @@ def test_clipping_by_the_update_equals_clipped_gradients(implementation):
     assert norms == pytest.approx(reference_norms, rel=1e-6)
     for ours, theirs in zip(weights, reference_weights):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_weight_copies_train_as_autocast():
+    """Linear layers on bf16 copies of their weights, rewritten by Optimizers.step
+    (training/bf16_weights.py), against autocast and fused AdamW: the same losses and gradient
+    norms and float32 weights within a bf16 rounding, skipped steps change nothing, the state dicts
+    keep their form, and refresh() follows weights loaded from outside. (The weights themselves
+    drift apart by up to an lr where gradients are near 0: Adam's first steps move those by about
+    lr x sign, and a last-bit difference in the update can round a copy the other way.)"""
+    spec = get_model_spec("llama3")
+    args = model_args(spec, "tiny", 16, 258, ["tie_embeddings=true"])
+    config, schedule = OptimizerConfig(implementation="fused", lr=3e-3), LRScheduler(warmup_steps=0)
+    batches = [torch.randint(0, 258, (2, 17), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    runs = []
+    for copied in (False, True):
+        with torch.device("meta"):
+            model, template = spec.model_cls(args), spec.model_cls(args)
+        materialize(model, "cpu")
+        init_weights(model, template, seed=0)
+        model.init_buffers()
+        keys = {k: v.dtype for k, v in model.state_dict().items()}
+        converted = bf16_weights.convert(model) if copied else 0
+        optimizers = Optimizers([model], config, schedule, 10, torch.device("cpu"))
+        losses, norms = [], []
+        for index, batch in enumerate(batches):
+            with torch.autocast("cpu", torch.bfloat16):
+                logits = model(batch[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            loss.backward()
+            norm = global_grad_norm(bf16_weights.gradient_holders([model]))
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizers.step(skip=torch.tensor(float(index == 2)), clip=clip_divisor(norm, max_norm=1.0))
+            optimizers.zero_grad()
+            if index == 2:  # a skipped step: no weight moved (and so no copy)
+                assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            losses.append(loss.item())
+            norms.append(norm.item())
+        assert {k: v.dtype for k, v in model.state_dict().items()} == keys  # float32, same names
+        copies = bf16_weights.copies(model)
+        for weight, copy in copies.items():  # every copy is its weight rounded to bf16
+            assert torch.equal(copy, weight.detach().to(torch.bfloat16))
+        state = optimizers.parts[0].state_dict()["state"]
+        runs.append((losses, norms, state, converted, model))
+    (losses, norms, state, _, _), (losses_c, norms_c, state_c, converted, model) = runs
+    assert converted == 4 * args.n_layers + 3 * args.n_layers  # every block's matrices; not the tied output
+    assert max(norms) > 1.0  # clipping scaled
+    # Step 1: the same forward and backward; the norm of the bf16 gradients summed in float32.
+    assert losses_c[0] == losses[0] and norms_c[0] == pytest.approx(norms[0], rel=1e-6)
+    assert losses_c == pytest.approx(losses, rel=1e-3) and norms_c == pytest.approx(norms, rel=1e-2)
+    assert all(s["step"] == 3 for s in state_c.values()) and state_c.keys() == state.keys()
+    assert {k: set(v) for k, v in state_c.items()} == {k: set(v) for k, v in state.items()}
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.fill_(0.5)
+    bf16_weights.refresh([model])
+    assert all(bool((copy == 0.5).all()) for copy in bf16_weights.copies(model).values())
+
+
+def test_update_onto_bf16_copy_equals_fused_adamw():
+    """The update of a weight with a bf16 copy, given the same gradients: torch's fused AdamW's
+    weights and moments (clipping divisor included), and the copy is the new weight in bf16."""
+    torch.manual_seed(0)
+    config, schedule = OptimizerConfig(implementation="fused", lr=1e-2), LRScheduler(warmup_steps=0)
+    plain, copied = torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(64, 32, bias=False)
+    copied.load_state_dict(plain.state_dict())
+    bf16_weights.convert(copied)
+    reference = Optimizers([plain], config, schedule, 10, torch.device("cpu"))
+    ours = Optimizers([copied], config, schedule, 10, torch.device("cpu"))
+    for step in range(1, 4):
+        grad = torch.randn(32, 64).to(torch.bfloat16)
+        plain.weight.grad, copied.bf16_weight.grad = grad.float(), grad.clone()
+        for optimizers in (reference, ours):
+            optimizers.set_lr(step)
+            optimizers.step(skip=torch.tensor(0.0), clip=torch.tensor(1.5))
+            optimizers.zero_grad()
+        torch.testing.assert_close(copied.weight, plain.weight, rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(
+                ours.parts[0].state[copied.weight][key], reference.parts[0].state[plain.weight][key]
+            )
+        assert torch.equal(copied.bf16_weight, copied.weight.detach().to(torch.bfloat16))
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):

@@ -1,5 +1,6 @@
 """The model a config names: checked against the layout, built on the meta device, split into
-pipeline stages and parallelized, then (for training) materialized and initialized.
+pipeline stages and parallelized, then (for training) materialized and initialized, and on one GPU
+in bf16 given bf16 copies of its weights to compute with (training/bf16_weights.py).
 
 train.py and the dry run (training/dry_run.py) both build through here, so a config that one
 accepts the other accepts too, and both see the same sharded model.
@@ -21,7 +22,7 @@ from parallelisms import ParallelDims, parallelize
 from parallelisms.context_parallel import local_positions
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline import check_schedule, split_model
-from training import memory_estimate
+from training import bf16_weights, memory_estimate
 from training.weight_init import init_weights, materialize
 
 
@@ -100,6 +101,12 @@ def build_model(
             init_weights(part, template, config.job.seed)
             part.init_buffers(positions)
             part.train()
+    # One GPU in bf16: linear layers compute with bf16 copies of their weights (under FSDP its mixed
+    # precision makes bf16 copies; pipeline schedules compute weight gradients themselves).
+    copies = dtype == torch.bfloat16 and config.training.bf16_weight_copies
+    if initialize and copies and not (dims.fsdp_enabled or dims.pp_enabled):
+        for part in parts:
+            bf16_weights.convert(part)
     return BuiltModel(
         spec, tokenizer, args, parts, stage_indices, num_stages, num_params, flops_per_token, dtype
     )

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from configs.schema import LRScheduler, Optimizer
+from training import bf16_weights
 from training.grad_clip import group_by_mesh, scale_grads_
 
 
@@ -55,6 +56,41 @@ def _adamw(part: nn.Module, config: Optimizer, device: torch.device) -> torch.op
     )
 
 
+def adamw_onto_bf16_copy(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    copy: torch.Tensor,
+    step: torch.Tensor,
+    lr: torch.Tensor,
+    divisor: torch.Tensor,
+    skip: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW on a float32 weight from the bf16 gradient of its bf16 copy, which it then rewrites
+    (training/bf16_weights.py): torch's fused AdamW arithmetic, the gradient divided by `divisor`;
+    where `skip` is 1 nothing changes, the step count included. Compiled, one pass over the tensors."""
+    keep = skip > 0
+    step.add_(1 - skip)
+    grad = grad.float() / divisor
+    new_avg = beta1 * exp_avg + (1 - beta1) * grad
+    new_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    denominator = new_avg_sq.sqrt() / (1 - beta2**step).sqrt() + eps
+    new_weight = weight * (1 - lr * weight_decay) - lr / (1 - beta1**step) * new_avg / denominator
+    exp_avg.copy_(torch.where(keep, exp_avg, new_avg))
+    exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, new_avg_sq))
+    weight.copy_(torch.where(keep, weight, new_weight))
+    copy.copy_(weight)
+
+
+# One compiled graph for every size (the tensors are passed flattened), so one compilation per run.
+_compiled_adamw_onto_bf16_copy = torch.compile(adamw_onto_bf16_copy, dynamic=True, fullgraph=True)
+
+
 class Optimizers:
     """One AdamW per model part (a rank holds several parts with virtual pipeline stages), stepped
     together. One per part because checkpoints save optimizer state under each part's parameter
@@ -70,6 +106,9 @@ class Optimizers:
     ):
         self.parts = [_adamw(part, config, device) for part in model_parts]
         self.peak_lr, self.schedule, self.steps = config.lr, schedule, steps
+        # Weights whose layers compute with bf16 copies (training/bf16_weights.py): their gradients
+        # are on the copies; the update below reads them there and rewrites the copies.
+        self.bf16_copies = {w: c for part in model_parts for w, c in bf16_weights.copies(part).items()}
 
     def set_lr(self, step: int) -> float:
         """Set and return the lr of optimizer step `step` (1-based)."""
@@ -87,19 +126,51 @@ class Optimizers:
         `found_inf` (moments, step counts and weights stay untouched) and `grad_scale` (the kernel
         divides each gradient as it reads it: no separate pass over the gradients), with no
         synchronization. The other implementations get the gradients divided first and read the
-        flag on the host: free on the CPU, one synchronization on CUDA.
+        flag on the host: free on the CPU, one synchronization on CUDA. Weights with bf16 copies
+        have no gradient of their own (every implementation passes over them) and are updated
+        last, with both taken on the device.
         """
         for optimizer in self.parts:
             if optimizer.defaults.get("fused"):
                 optimizer.found_inf, optimizer.grad_scale = skip, clip  # (None: not used)
                 optimizer.step()
                 del optimizer.found_inf, optimizer.grad_scale
+            else:
+                if clip is not None:
+                    scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
+                if skip is None or not skip.item():
+                    optimizer.step()
+            if self.bf16_copies:
+                self._update_bf16_copied(optimizer, skip, clip)
+
+    @torch.no_grad()
+    def _update_bf16_copied(self, optimizer, skip, clip) -> None:
+        for group in optimizer.param_groups:
+            copied = [
+                w for w in group["params"] if w in self.bf16_copies and self.bf16_copies[w].grad is not None
+            ]
+            if not copied:
                 continue
-            if clip is not None:
-                scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
-            if skip is None or not skip.item():
-                optimizer.step()
+            device = copied[0].device
+            lr = torch.full((), group["lr"], device=device)  # a tensor: no recompilation as it changes
+            divisor = torch.ones((), device=device) if clip is None else clip
+            skip_flag = torch.zeros((), device=device) if skip is None else skip
+            update = _compiled_adamw_onto_bf16_copy if device.type == "cuda" else adamw_onto_bf16_copy
+            for weight in copied:
+                copy, state = self.bf16_copies[weight], optimizer.state[weight]
+                if not state:  # as torch's AdamW starts a weight's state (a fused one's step count)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+                    state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+                state["step"] = state["step"].to(device)  # on the CPU after loading a non-fused state
+                update(
+                    weight.view(-1), copy.grad.view(-1), state["exp_avg"].view(-1),
+                    state["exp_avg_sq"].view(-1), copy.view(-1), state["step"], lr, divisor, skip_flag,
+                    group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"],
+                )  # fmt: skip
 
     def zero_grad(self) -> None:
         for optimizer in self.parts:
             optimizer.zero_grad(set_to_none=True)
+        for copy in self.bf16_copies.values():
+            copy.grad = None

@@ -1,0 +1,80 @@
+"""bf16 copies of the matrix weights of a model on one GPU, kept current by the optimizer step.
+
+A model that FSDP does not wrap computes in bf16 under autocast, which casts every float32 weight
+to bf16 in each forward (and again in backward) and every bf16 weight gradient back to float32:
+passes over all the weights, ~3% of a Llama 3 step on the H200 (docs/performance.md). Here each
+nn.Linear reads a bf16 copy of its weight instead; its gradient stays in bf16, on the copy; and the
+AdamW update (training/optimizer.py) reads that gradient and writes the new copy in its one pass
+over the weight. The float32 weights stay the model's parameters, with the optimizer's state, so
+checkpoints, resharding and every other layout see what they saw before.
+
+In numbers: a step's forward and backward are those of autocast (the same bf16 roundings); the
+update is AdamW's arithmetic in another kernel (last-bit differences); the gradients of several
+micro-batches add up in bf16 on the copies, as on FSDP's bf16 parameters.
+
+Left to autocast: FSDP-wrapped models (FSDP's mixed precision makes bf16 copies itself), pipeline
+stages (zero-bubble schedules take the weight gradients of the stage's parameters themselves),
+float8 layers (torchao's Float8Linear casts its float32 weight), tensor-parallel (DTensor) weights
+and a weight shared by several modules (tied embeddings). training/model_setup.py decides.
+"""
+
+import collections
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+class LinearOnBF16Copy(nn.Linear):
+    """An nn.Linear whose forward reads `bf16_weight`, a bf16 copy of its float32 `weight`. Made
+    by `convert`, which swaps the class of an existing nn.Linear: its parameters, their names and
+    the state dict stay as they were (the copy is a buffer outside the state dict)."""
+
+    bf16_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.bf16_weight, self.bias)
+
+
+def convert(part: nn.Module) -> int:
+    """Give every eligible nn.Linear of part a bf16 copy of its weight to compute with (see the
+    module docstring for which are not); returns how many were converted."""
+    holders = collections.Counter(
+        id(p) for module in part.modules() for p in module.parameters(recurse=False)
+    )
+    converted = 0
+    for module in part.modules():
+        if type(module) is not nn.Linear:  # subclasses (float8) have their own forward
+            continue
+        weight = module.weight
+        if isinstance(weight, DTensor) or holders[id(weight)] > 1 or not weight.requires_grad:
+            continue
+        copy = weight.detach().to(torch.bfloat16).requires_grad_()
+        module.register_buffer("bf16_weight", copy, persistent=False)
+        module.__class__ = LinearOnBF16Copy
+        converted += 1
+    return converted
+
+
+def copies(part: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """float32 weight -> its bf16 copy, for the converted layers of part."""
+    return {m.weight: m.bf16_weight for m in part.modules() if isinstance(m, LinearOnBF16Copy)}
+
+
+def gradient_holders(parts: list[nn.Module]) -> list[torch.Tensor]:
+    """Every parameter of parts, or its bf16 copy where the gradient lands (for the gradient norm)."""
+    holders = []
+    for part in parts:
+        copied = copies(part)
+        holders += [copied.get(p, p) for p in part.parameters()]
+    return holders
+
+
+@torch.no_grad()
+def refresh(parts: list[nn.Module]) -> None:
+    """Copy the float32 weights into their bf16 copies: after anything but the optimizer changed
+    the weights (a checkpoint or Hugging Face weights loaded)."""
+    for part in parts:
+        for weight, copy in copies(part).items():
+            copy.copy_(weight)
