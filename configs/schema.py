@@ -125,7 +125,7 @@ class Training(Section):
     bf16_weight_copies: bool = True
     """On one GPU in bf16 (no FSDP, no pipeline): the linear layers compute with bf16 copies of their
     weights that the optimizer step rewrites, instead of autocast casting every weight in each
-    forward and backward (training/bf16_weights.py; +4% on the 1B and 3B steps on an H200). Forward
+    forward and backward (training/bf16_weights.py; +4% on the 1B and 3B batch-1 steps on an H200). Forward
     and backward compute the same; gradients of several micro-batches add up in bf16, as under FSDP."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
