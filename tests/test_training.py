@@ -11,10 +11,11 @@ import torch
 from conftest import REPO, TINY, read_metrics, run_train
 
 from configs import load_config
-from configs.schema import LRScheduler
+from configs.schema import ActivationCheckpoint, LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
 from models import get_model_spec
 from models.spec import model_args
+from parallelisms.activation_checkpoint import apply_activation_checkpointing
 from training import bf16_weights
 from training.grad_clip import clip_divisor, global_grad_norm
 from training.metrics import lookup_peak_tflops
@@ -102,7 +103,8 @@ def test_clipping_by_the_update_equals_clipped_gradients(implementation):
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
-def test_bf16_weight_copies_train_as_autocast():
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_bf16_weight_copies_train_as_autocast(checkpointing):
     """Linear layers on bf16 copies of their weights, rewritten by Optimizers.step
     (training/bf16_weights.py), against autocast and fused AdamW: the same losses and gradient
     norms, skipped steps change nothing, the state dicts keep their form, and refresh() follows
@@ -120,6 +122,9 @@ def test_bf16_weight_copies_train_as_autocast():
         materialize(model, "cpu")
         init_weights(model, template, seed=0)
         model.init_buffers()
+        apply_activation_checkpointing(
+            model, ActivationCheckpoint(mode=checkpointing)
+        )  # recomputes on the copies
         keys = {k: v.dtype for k, v in model.state_dict().items()}
         converted = bf16_weights.convert(model) if copied else 0
         optimizers = Optimizers([model], config, schedule, 10, torch.device("cpu"))
