@@ -18,12 +18,12 @@ float8 layers (torchao's Float8Linear casts its float32 weight), tensor-parallel
 and a weight shared by several modules (tied embeddings). training/model_setup.py decides.
 """
 
-import collections
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from parallelisms.tied_weights import tied_parameter_names
 
 
 class LinearOnBF16Copy(nn.Linear):
@@ -40,15 +40,13 @@ class LinearOnBF16Copy(nn.Linear):
 def convert(part: nn.Module) -> int:
     """Give every eligible nn.Linear of part a bf16 copy of its weight to compute with (see the
     module docstring for which are not); returns how many were converted."""
-    holders = collections.Counter(
-        id(p) for module in part.modules() for p in module.parameters(recurse=False)
-    )
+    tied = {id(part.get_parameter(names[0])) for names in tied_parameter_names(part)}
     converted = 0
     for module in part.modules():
         if type(module) is not nn.Linear:  # subclasses (float8) have their own forward
             continue
         weight = module.weight
-        if isinstance(weight, DTensor) or holders[id(weight)] > 1 or not weight.requires_grad:
+        if isinstance(weight, DTensor) or id(weight) in tied or not weight.requires_grad:
             continue
         copy = weight.detach().to(torch.bfloat16).requires_grad_()
         module.register_buffer("bf16_weight", copy, persistent=False)
