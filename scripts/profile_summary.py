@@ -10,6 +10,10 @@ kernels, with the time the GPU was idle between kernels over the traced span.
 reached, read from the code inductor generated in DIR when the traced run had
 TORCHINDUCTOR_CACHE_DIR=DIR TORCHINDUCTOR_BENCHMARK_KERNEL=1 (the kernels' `kernel_num_gb`: every
 input and output counted once). A kernel far below the card's ~4 TB/s is worth reading there.
+
+--gaps N lists the N longest idle gaps: the kernels before and after, how late the host launched
+the kernel after (a launch inside the gap: the GPU waited for the host), and what the host was
+running when it launched it (the annotations and the innermost operator around the launch).
 """
 
 import argparse
@@ -80,6 +84,45 @@ def bandwidth_note(name: str, ms_per_call: float, sizes: dict[str, set[float]]) 
     return f"  {gigabytes:.3f} GB, {gigabytes / ms_per_call:.2f} TB/s"
 
 
+def host_context(events: list[dict], launch: dict) -> str:
+    """The host's annotations and innermost operator on the launching thread around `launch`."""
+    around = [
+        e for e in events
+        if e.get("cat") in ("cpu_op", "user_annotation") and e.get("tid") == launch.get("tid")
+        and e["ts"] <= launch["ts"] <= e["ts"] + e.get("dur", 0)
+    ]  # fmt: skip
+    around.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))  # outermost first
+    names = [e["name"] for e in around if e.get("cat") == "user_annotation"]
+    ops = [e["name"] for e in around if e.get("cat") == "cpu_op"]
+    return " > ".join(names + ops[-1:]) or "(nothing recorded)"
+
+
+def idle_gaps(events: list[dict], kernels: list[dict], count: int) -> list[str]:
+    """The `count` longest gaps between GPU work, longest first, as printable lines."""
+    launches = {
+        e["args"]["correlation"]: e for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }  # fmt: skip
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    gaps, busy_until, last = [], None, None
+    for e in ordered:
+        if busy_until is not None and e["ts"] > busy_until:
+            gaps.append((e["ts"] - busy_until, busy_until, last, e))
+        if busy_until is None or e["ts"] + e["dur"] > busy_until:
+            busy_until, last = e["ts"] + e["dur"], e
+    lines = []
+    for length, start, before, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:count]:
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        when = (
+            f"launched {(launch['ts'] - start) / 1000:+.3f} ms into the gap" if launch else "launch not found"
+        )
+        lines.append(
+            f"{length / 1000:7.3f} ms  after {before['name'][:50]}  before {after['name'][:50]}\n"
+            f"           {when}; host: {host_context(events, launch)[:200] if launch else '-'}"
+        )
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,6 +131,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2, help="steps the trace spans (default: %(default)s)")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--inductor-code", help="inductor's cache dir of the traced run (see above)")
+    parser.add_argument("--gaps", type=int, default=0, help="list the N longest idle gaps (see above)")
     args = parser.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
@@ -116,6 +160,9 @@ def main() -> int:
         if sizes is not None and kind(name) == "triton":
             line += bandwidth_note(name, total / 1000.0 / calls[name], sizes)  # trace us -> ms per call
         print(line)
+    if args.gaps:
+        print(f"\nlongest {args.gaps} idle gaps:")
+        print("\n".join(idle_gaps(events, kernels, args.gaps)))
     return 0
 
 

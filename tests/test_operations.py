@@ -134,6 +134,41 @@ def test_profile_summary_gives_each_compiled_kernels_bandwidth(tmp_path):
     assert "GB" not in lines["nvjet"]
 
 
+def test_profile_summary_lists_idle_gaps_with_the_late_launch(tmp_path):
+    """--gaps: the longest idle gaps first, with how late the host launched the kernel after each
+    and what the host was running then (annotations outermost first, then the innermost operator)."""
+
+    def kernel(name, ts, dur, correlation):
+        return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    def host(cat, name, ts, dur):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    events = [
+        kernel("nvjet_a", 0, 100, 1), kernel("nvjet_b", 100, 50, 2),  # back to back
+        kernel("triton_update", 400, 10, 3),  # 250 us idle, launched 230 us into the gap
+        kernel("nvjet_c", 420, 30, 4),  # 10 us idle, launched before the gap
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 380, "dur": 5, "tid": 7, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 200, "dur": 5, "tid": 7, "args": {"correlation": 4}},
+        host("user_annotation", "ProfilerStep#5", 0, 1000), host("user_annotation", "Optimizer.step", 300, 100),
+        host("cpu_op", "aten::copy_", 370, 20), host("cpu_op", "aten::add_", 360, 40),
+    ]  # fmt: skip
+    trace = tmp_path / "rank0_step5-6.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    summary = subprocess.run([sys.executable, str(REPO / "scripts/profile_summary.py"), str(trace), "--gaps", "1"],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+    gaps = summary.split("longest 1 idle gaps:\n")[1].splitlines()
+    assert (
+        gaps[0].split()[:2] == ["0.250", "ms"]
+        and "after nvjet_b" in gaps[0]
+        and "before triton_update" in gaps[0]
+    )
+    assert "launched +0.230 ms into the gap" in gaps[1]
+    assert gaps[1].endswith("host: ProfilerStep#5 > Optimizer.step > aten::copy_")
+    assert len(gaps) == 2  # one gap asked for
+
+
 def test_plot_metrics_draws_runs(tmp_path):
     """Two runs' records as train.py writes them (training records, validation records of the same
     step, a step redone after a resume): one PNG."""
