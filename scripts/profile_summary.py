@@ -43,21 +43,6 @@ def kind(name: str) -> str:
     return "other"
 
 
-def busy_time(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, current_start, current_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if current_end is None or start > current_end:
-            if current_end is not None:
-                total += current_end - current_start
-            current_start, current_end = start, end
-        else:
-            current_end = max(current_end, end)
-    if current_end is not None:
-        total += current_end - current_start
-    return total
-
-
 def triton_kernel_gigabytes(code_dir: str) -> dict[str, set[float]]:
     """Kernel name -> the GB inductor counted for it, over every generated module in code_dir
     (one name can stand for different kernels in different graphs: then there are several)."""
@@ -97,19 +82,24 @@ def host_context(events: list[dict], launch: dict) -> str:
     return " > ".join(names + ops[-1:]) or "(nothing recorded)"
 
 
-def idle_gaps(events: list[dict], kernels: list[dict], count: int) -> list[str]:
-    """The `count` longest gaps between GPU work, longest first, as printable lines."""
-    launches = {
-        e["args"]["correlation"]: e for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    }  # fmt: skip
-    ordered = sorted(kernels, key=lambda e: e["ts"])
+def idle_gaps(kernels: list[dict]) -> list[tuple[float, float, dict, dict]]:
+    """Every stretch with no GPU work between the first kernel and the last: (length, start, the
+    kernel that ended last before it, the kernel after it), in trace order."""
     gaps, busy_until, last = [], None, None
-    for e in ordered:
+    for e in sorted(kernels, key=lambda e: e["ts"]):
         if busy_until is not None and e["ts"] > busy_until:
             gaps.append((e["ts"] - busy_until, busy_until, last, e))
         if busy_until is None or e["ts"] + e["dur"] > busy_until:
             busy_until, last = e["ts"] + e["dur"], e
+    return gaps
+
+
+def describe_gaps(events: list[dict], gaps: list[tuple[float, float, dict, dict]], count: int) -> list[str]:
+    """The `count` longest gaps, longest first, as printable lines."""
+    launches = {
+        e["args"]["correlation"]: e for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }  # fmt: skip
     lines = []
     for length, start, before, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:count]:
         launch = launches.get(after.get("args", {}).get("correlation"))
@@ -146,9 +136,10 @@ def main() -> int:
         by_name[e["name"][:NAME_LENGTH]] += e["dur"]
         calls[e["name"][:NAME_LENGTH]] += 1
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
-    busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    gaps = idle_gaps(kernels)
+    idle = sum(gap[0] for gap in gaps)
+    busy = span - idle
     per_step = 1000.0 * args.steps  # trace microseconds -> ms per step
-    idle = span - busy
     print(f"traced {span / per_step:.1f} ms/step: GPU busy {busy / per_step:.1f}, idle {idle / per_step:.1f}")
     print("| kind | ms/step | share of busy |\n| --- | --- | --- |")
     for label, total in by_kind.most_common():
@@ -162,7 +153,7 @@ def main() -> int:
         print(line)
     if args.gaps:
         print(f"\nlongest {args.gaps} idle gaps:")
-        print("\n".join(idle_gaps(events, kernels, args.gaps)))
+        print("\n".join(describe_gaps(events, gaps, args.gaps)))
     return 0
 
 
