@@ -5,8 +5,8 @@ makes the float8 step's transposed casts coalesced, docs/performance.md)?
 Formulations (all float32 arithmetic on bf16 input, equal results):
   stack    the even and odd elements of each pair rotated, then stacked back (the model's before
            2026-12-03)
-  swap     the model's `apply_rope`: x * (c, c) + swap_pairs(x) * (-s, s), the tables repeated
-           per pair in the graph
+  swap     the model's `apply_rope`: x * (c, c) + (x[2i+1], x[2i]) * (-s, s), the tables
+           repeated per pair in the graph
   tables   as swap, the (seq, head_dim) tables made before the compiled call
 
     python3 scripts/benchmark_rope.py --batch 2 --seq 8192 --heads 24 --kv-heads 8 --head-dim 128

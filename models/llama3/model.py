@@ -78,9 +78,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     cos/sin are (seq, head_dim/2); computed in float32 as Meta does. Written as
     x * (c, c) + (x[2i+1], x[2i]) * (-s, s), one element-wise expression over head_dim, rather
-    than rotating the two halves of each pair and stacking them: the same float32 products and
-    sums, but the compiled kernel is 17% faster, and 2x faster when inductor tiles in two
-    dimensions (docs/performance.md, "RoPE without the stack").
+    than rotating each pair's even and odd elements and stacking them back: the same float32
+    products and sums, but a compiled kernel 17% faster, and up to 1.9x when inductor tiles in
+    two dimensions (docs/performance.md, "The card at its power limit; RoPE without the stack").
     """
     cos = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)  # (seq, 1, head_dim): over heads
     sin = torch.stack((-sin, sin), dim=-1).flatten(-2).unsqueeze(-2)
