@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+import torch
+
 FIELDS = "clocks.sm,power.draw,temperature.gpu"
 
 
@@ -77,8 +79,6 @@ def products(dim: int, kv: int, ffn: int, vocab: int, tokens: int) -> list[tuple
 
 def operands(name: str, m: int, n: int, k: int):
     """The operands in the layouts the step uses (transposed views where autograd passes them)."""
-    import torch
-
     kind = name.split(".")[1]
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     if kind == "forward":  # x (m x k), W (n x k) used transposed
@@ -89,8 +89,6 @@ def operands(name: str, m: int, n: int, k: int):
 
 
 def time_products(a, b, repeat: int) -> float:
-    import torch
-
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeat):
@@ -101,8 +99,6 @@ def time_products(a, b, repeat: int) -> float:
 
 
 def measure(args: argparse.Namespace, sampler: ClockSampler) -> list[dict]:
-    import torch
-
     rows = []
     for name, m, n, k in products(args.dim, args.kv, args.ffn, args.vocab, args.tokens):
         a, b = operands(name, m, n, k)

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.llama3.model import apply_rope  # noqa: E402
@@ -55,7 +56,6 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
-    import torch._inductor.config as inductor_config
 
     angles = torch.rand(args.seq, args.head_dim // 2, device="cuda") * 100
     cos, sin = angles.cos(), angles.sin()
