@@ -42,7 +42,10 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         log = result.stdout + result.stderr
         if result.returncode != 0:
             return {"name": args.name, "error": log[-3000:], "returncode": result.returncode}
-        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        metrics = Path(folder) / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        if args.keep_metrics:
+            shutil.copy(metrics, args.keep_metrics)
         if args.profile_dir:
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             for trace in (Path(folder) / "profiles").glob("*"):
@@ -81,6 +84,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
     parser.add_argument("--log-freq", type=int, default=5)
     parser.add_argument("--out", help="also append the JSON line to this file")
+    parser.add_argument("--keep-metrics", help="also copy the run's metrics.jsonl (every logged step) here")
     parser.add_argument("--profile-dir", help="also trace two steps after warm-up and keep the traces here")
     argv = sys.argv[1:]
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []

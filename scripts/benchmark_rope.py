@@ -8,6 +8,9 @@ Formulations (all float32 arithmetic on bf16 input, equal results):
   swap     the model's `apply_rope`: x * (c, c) + (x[2i+1], x[2i]) * (-s, s), the tables
            repeated per pair in the graph
   tables   as swap, the (seq, head_dim) tables made before the compiled call
+With --layout halves (Qwen 3: the first half of head_dim rotated against the second):
+  cat      each half rotated, then concatenated back
+  roll     x * (c, c) + roll(x, head_dim / 2) * (-s, s), one expression over head_dim
 
     python3 scripts/benchmark_rope.py --batch 2 --seq 8192 --heads 24 --kv-heads 8 --head-dim 128
 """
@@ -38,6 +41,19 @@ def rope_tables(x, cos2, sin2):
     return (xf * cos2.unsqueeze(-2) + swapped * sin2.unsqueeze(-2)).type_as(x)
 
 
+def halves_cat(x, cos, sin):
+    first, second = x.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
+
+
+def halves_roll(x, cos, sin):
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(-2)
+    sin = torch.cat((-sin, sin), dim=-1).unsqueeze(-2)
+    x_float = x.float()
+    return (x_float * cos + x_float.roll(x.shape[-1] // 2, dims=-1) * sin).type_as(x)
+
+
 SETTINGS = {
     "default": {},
     "nd_tiling": {"prefer_nd_tiling": True, "tile_reductions": True},
@@ -53,6 +69,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layout", choices=("pairs", "halves"), default="pairs")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
@@ -66,13 +83,18 @@ def main() -> int:
         shape = (args.batch, args.seq, heads, args.head_dim)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        reference = apply_rope(x, cos, sin)
-        for setting, options in SETTINGS.items():
-            for name, fn, tables in (
+        if args.layout == "pairs":
+            reference = apply_rope(x, cos, sin)
+            formulations = [
                 ("stack", rope_stack, (cos, sin)),
                 ("swap", apply_rope, (cos, sin)),
                 ("tables", rope_tables, (cos2, sin2)),
-            ):
+            ]
+        else:
+            reference = halves_cat(x, cos, sin)
+            formulations = [("cat", halves_cat, (cos, sin)), ("roll", halves_roll, (cos, sin))]
+        for setting, options in SETTINGS.items():
+            for name, fn, tables in formulations:
                 torch._dynamo.reset()
                 with inductor_config.patch({f"triton.{k}": v for k, v in options.items()}):
                     compiled = torch.compile(fn)
@@ -85,6 +107,7 @@ def main() -> int:
                     ms = kernel_ms(step, args.repeat)
                 gbytes = 4 * x.numel() * 2 / 1e9  # x and out forward, grad in and out backward
                 row = {"heads": heads, "setting": setting, "rope": name, "ms": round(ms, 4)}
+                row["layout"] = args.layout
                 row |= {"tb_per_s": round(gbytes / ms, 2), "max_abs_diff_vs_eager": error}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
