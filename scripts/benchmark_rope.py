@@ -9,7 +9,7 @@ Formulations (all float32 arithmetic on bf16 input, equal results):
            repeated per pair in the graph
   tables   as swap, the (seq, head_dim) tables made before the compiled call
 With --layout halves (Qwen 3: the first half of head_dim rotated against the second):
-  cat      each half rotated, then concatenated back
+  cat      Qwen 3's `rotate_halves`: each half rotated, then concatenated back
   roll     x * (c, c) + roll(x, head_dim / 2) * (-s, s), one expression over head_dim
 
     python3 scripts/benchmark_rope.py --batch 2 --seq 8192 --heads 24 --kv-heads 8 --head-dim 128
@@ -25,6 +25,7 @@ import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.llama3.model import apply_rope  # noqa: E402
+from models.qwen3.model import rotate_halves  # noqa: E402
 from scripts.benchmark_projections import kernel_ms  # noqa: E402
 
 
@@ -39,12 +40,6 @@ def rope_tables(x, cos2, sin2):
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xf * cos2.unsqueeze(-2) + swapped * sin2.unsqueeze(-2)).type_as(x)
-
-
-def halves_cat(x, cos, sin):
-    first, second = x.float().chunk(2, dim=-1)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).type_as(x)
 
 
 def halves_roll(x, cos, sin):
@@ -91,8 +86,8 @@ def main() -> int:
                 ("tables", rope_tables, (cos2, sin2)),
             ]
         else:
-            reference = halves_cat(x, cos, sin)
-            formulations = [("cat", halves_cat, (cos, sin)), ("roll", halves_roll, (cos, sin))]
+            reference = rotate_halves(x, cos, sin)
+            formulations = [("cat", rotate_halves, (cos, sin)), ("roll", halves_roll, (cos, sin))]
         for setting, options in SETTINGS.items():
             for name, fn, tables in formulations:
                 torch._dynamo.reset()
