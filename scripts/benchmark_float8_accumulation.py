@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from scripts.benchmark_matmul_clocks import products  # noqa: E402
+from scripts.benchmark_projections import kernel_ms  # noqa: E402
 
 
 def float8_operands(m: int, n: int, k: int):
@@ -31,22 +32,13 @@ def float8_operands(m: int, n: int, k: int):
     return a, b
 
 
-def time_scaled_mm(a, b, fast_accum: bool, repeat: int) -> float:
-    """Milliseconds per product, back to back (after three untimed)."""
+def scaled_mm_ms(a, b, fast_accum: bool, repeat: int) -> float:
+    """GPU milliseconds per product (tensorwise scales of 1, bf16 output)."""
     one = torch.ones((), device="cuda")
-
-    def product():
-        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
-
-    for _ in range(3):
-        product()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        product()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
+    return kernel_ms(
+        lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16, use_fast_accum=fast_accum),
+        repeat,
+    )
 
 
 def main() -> int:
@@ -72,7 +64,7 @@ def main() -> int:
         times = {False: [], True: []}
         for _ in range(args.rounds):
             for fast in (False, True):
-                times[fast].append(time_scaled_mm(a, b, fast, args.repeat))
+                times[fast].append(scaled_mm_ms(a, b, fast, args.repeat))
         slow_ms, fast_ms = min(times[False]), min(times[True])
         flop = 2 * m * n * k
         row = {"product": name, "mnk": [m, n, k], "slow_ms": round(slow_ms, 4), "fast_ms": round(fast_ms, 4)}
