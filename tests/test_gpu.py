@@ -129,6 +129,9 @@ BF16_LAYOUTS = {
     "bf16_autocast": (1, ["--training.local_batch_size", "8", "--training.bf16_weight_copies", "false"], ()),
     "bf16_copies_compile": (1, ["--training.local_batch_size", "8", "--compile.enable"], ()),
     "bf16_copies_accumulate": (1, ["--training.local_batch_size", "4"], ()),  # gradients add up in bf16
+    # float8 layers on their float32 weights against float8 on the bf16 copies (the reference)
+    "bf16_float8_autocast": (1, ["--training.local_batch_size", "8", "--float8.enable",
+                                 "--training.bf16_weight_copies", "false"], ("--float8.enable",)),
 }  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """The training loop end to end: lr schedule, skipped updates, gradient accumulation, metrics,
 torchrun, profiling the script."""
 
+import dataclasses
 import math
 import pstats
 import subprocess
@@ -186,6 +187,40 @@ def test_update_onto_bf16_copy_equals_fused_adamw():
                 ours.parts[0].state[copied.weight][key], reference.parts[0].state[plain.weight][key]
             )
         assert torch.equal(copied.bf16_weight, copied.weight.detach().to(torch.bfloat16))
+
+
+def test_float8_layers_compute_on_bf16_copies():
+    """torchao's Float8Linear (emulated on the CPU) on a bf16 copy: the output and the copy's bf16
+    gradient equal those of a Float8Linear whose weight is that copy (as under FSDP's bf16
+    parameters); the float32 weight gets no gradient; the update rewrites the copy."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    recipe = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
+    copied, reference = [
+        torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 32, bias=False))
+        for _ in range(2)
+    ]
+    reference.load_state_dict(copied.state_dict())
+    for model in (copied, reference):
+        convert_to_float8_training(model, config=recipe)
+    for layer in reference:
+        layer.weight = torch.nn.Parameter(layer.weight.detach().to(torch.bfloat16))
+    assert bf16_weights.convert(copied) == 2
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    outputs = [model(x) for model in (copied, reference)]
+    for output in outputs:
+        output.float().square().sum().backward()
+    assert torch.equal(*outputs)
+    for ours, theirs in zip(copied, reference):
+        assert ours.weight.grad is None and ours.bf16_weight.grad.dtype == torch.bfloat16
+        assert torch.equal(ours.bf16_weight.grad, theirs.weight.grad)
+    config = OptimizerConfig(implementation="fused")
+    optimizers = Optimizers([copied], config, LRScheduler(), 10, torch.device("cpu"))
+    before = copied[0].bf16_weight.clone()
+    optimizers.step()
+    assert not torch.equal(copied[0].bf16_weight, before)
+    for weight, bf16_copy in bf16_weights.copies(copied).items():
+        assert torch.equal(bf16_copy, weight.detach().to(torch.bfloat16))
 
 
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
