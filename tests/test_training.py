@@ -1,7 +1,6 @@
 """The training loop end to end: lr schedule, skipped updates, gradient accumulation, metrics,
 torchrun, profiling the script."""
 
-import dataclasses
 import math
 import pstats
 import subprocess
@@ -12,11 +11,12 @@ import torch
 from conftest import REPO, TINY, read_metrics, run_train
 
 from configs import load_config
-from configs.schema import ActivationCheckpoint, LRScheduler
+from configs.schema import ActivationCheckpoint, Float8, LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
 from models import get_model_spec
 from models.spec import model_args
 from parallelisms.activation_checkpoint import apply_activation_checkpointing
+from parallelisms.float8 import apply_float8
 from training import bf16_weights
 from training.grad_clip import clip_divisor, global_grad_norm
 from training.metrics import lookup_peak_tflops
@@ -193,16 +193,13 @@ def test_float8_layers_compute_on_bf16_copies():
     """torchao's Float8Linear (emulated on the CPU) on a bf16 copy: the output and the copy's bf16
     gradient equal those of a Float8Linear whose weight is that copy (as under FSDP's bf16
     parameters); the float32 weight gets no gradient; the update rewrites the copy."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    recipe = dataclasses.replace(Float8LinearConfig.from_recipe_name("tensorwise"), emulate=True)
     copied, reference = [
         torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 32, bias=False))
         for _ in range(2)
     ]
     reference.load_state_dict(copied.state_dict())
-    for model in (copied, reference):
-        convert_to_float8_training(model, config=recipe)
+    for model in (copied, reference):  # as train.py converts them (tensorwise, emulated on the CPU)
+        apply_float8(model, Float8(enable=True), torch.device("cpu"))
     for layer in reference:
         layer.weight = torch.nn.Parameter(layer.weight.detach().to(torch.bfloat16))
     assert bf16_weights.convert(copied) == 2
