@@ -179,8 +179,9 @@ class ShapeInferenceCounts:
     """Mixture-of-Experts statistics (token counts, balance losses) must cover the step's
     micro-batches only, but on the first step torch.distributed.pipelining runs each stage once
     more, first, to infer the shapes it sends (a forward of the first micro-batch or of empty
-    tensors). torch 2.13 keeps what that forward adds to the layers' buffers; torch 2.14 puts the
-    buffers back afterwards. So the buffers are watched stage forward by stage forward through the
+    tensors, whose contents are whatever memory held: the balance loss can come out NaN). torch
+    2.13 keeps what that forward adds to the layers' buffers; torch 2.14 puts the buffers back
+    afterwards. So the buffers are watched stage forward by stage forward through the
     first step (hooks on the stage module, outside the compiled blocks), and then each layer's set
     to what its stage's last n_microbatches counting forwards added: right whichever torch ran."""
 
@@ -199,14 +200,21 @@ class ShapeInferenceCounts:
         return moe.tokens_per_expert.clone(), moe.aux_loss.clone()
 
     def _entering(self, part: nn.Module, inputs) -> None:
+        """Each forward counts from zero: what it adds is then read directly, not as a difference,
+        which a NaN from the empty tensors' forward would turn into NaN for every later one."""
         self.before[part] = [self._buffers(moe) for moe in self.layers[part]]
+        for moe in self.layers[part]:
+            moe.tokens_per_expert.zero_()
+            moe.aux_loss.zero_()
 
     def _leaving(self, part: nn.Module, inputs, output) -> None:
         for moe, (counts_before, aux_before) in zip(self.layers[part], self.before.pop(part)):
             counts, aux = self._buffers(moe)
             # Forwards that counted (not evaluation, not activation checkpointing's recomputation).
-            if not torch.equal(counts, counts_before):
-                self.added[moe].append((counts - counts_before, aux - aux_before))
+            if counts.any():
+                self.added[moe].append((counts, aux))
+            moe.tokens_per_expert.copy_(counts_before + counts)
+            moe.aux_loss.copy_(aux_before + aux)
 
     def take_back(self, n_microbatches: int) -> None:
         """After the first training step (later calls do nothing)."""

@@ -26,6 +26,7 @@ from models.moe import (
     update_expert_bias,
 )
 from models.spec import model_args
+from parallelisms.pipeline import ShapeInferenceCounts
 from training.expert_balance import ExpertBalance
 from training.memory_estimate import ACTIVATION_BYTES_PER_FFN
 
@@ -178,6 +179,23 @@ def test_counts_accumulate_over_training_forwards_only():
     with set_checkpoint_early_stop(False):  # activation checkpointing re-runs the whole forward
         checkpoint(moe, x.requires_grad_(), use_reentrant=False).sum().backward()
     assert moe.tokens_per_expert.sum().item() == 96
+
+
+def test_pipeline_first_step_counts_only_the_micro_batches_even_after_a_nan_forward():
+    """torch.distributed.pipelining's shape inference runs a stage on empty tensors first (whatever
+    memory held: NaN here); the first step's statistics are then the micro-batches' alone."""
+    stage, reference = torch.nn.Sequential(layer(aux_loss_coeff=1e-3)), layer(aux_loss_coeff=1e-3)
+    micro_batches = [torch.randn(2, 8, 16) for _ in range(2)]
+    watch = ShapeInferenceCounts([stage])
+    stage(torch.full((2, 8, 16), float("nan")))  # the shape inference forward
+    for x in micro_batches:
+        stage(x)
+        reference(x)
+    assert stage[0].aux_loss.isnan()  # what it added is in the buffers until take_back
+    watch.take_back(n_microbatches=2)
+    assert torch.equal(stage[0].tokens_per_expert, reference.tokens_per_expert)
+    assert stage[0].aux_loss.item() == pytest.approx(reference.aux_loss.item(), rel=1e-6)
+    assert not watch.hooks  # later steps run unwatched
 
 
 def test_update_expert_bias_moves_towards_balance_and_stays_zero_mean():
