@@ -3,6 +3,7 @@
 # call; one JSON line per run in OUT (default two_gpus.jsonl). Llama 3 3B shape, compile on.
 #
 #   bash scripts/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2, async TP 2
+#   bash scripts/benchmark_two_gpus.sh fsdp OUT    # 3B bf16 batch 2 on FSDP 2: blocks resharded or kept
 #   bash scripts/benchmark_two_gpus.sh float8 OUT  # 3B float8 batch 2: TP 2, async TP 2
 #   bash scripts/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
 #   bash scripts/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
@@ -10,7 +11,7 @@
 set -uo pipefail  # one failed run (e.g. out of memory) leaves its error line and the next runs go on
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)
-group=${1:?steps, float8, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
+group=${1:?steps, fsdp, float8, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
 timed_out() { [ "$1" -eq 124 ] && echo "{\"name\": \"$2\", \"error\": \"timed out\"}" >> "$out"; }
 # bench SECONDS --name NAME ...: scripts/benchmark.py on 2 GPUs (a failed run writes its own error line)
 bench() { timeout "$1" python3 scripts/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
@@ -26,6 +27,12 @@ steps)  # the issue's rows: tok/s per GPU, batch 2 per GPU, no accumulation; TP 
     for async in false true; do
         bench 190 --name "tp2_b2_async_$async" --steps 16 --warmup 8 -- --parallelism.tensor_parallel_degree 2 \
             --training.local_batch_size 2 --training.global_batch_size 2 --parallelism.enable_async_tensor_parallel $async
+    done ;;
+fsdp)  # FSDP 2 with every block's gathered weights kept through backward (no re-gather, +6.4 GB),
+        # paired with the default; at world 1 keeping them was +1.6% (docs/performance.md)
+    for reshard in default never; do
+        bench 190 --name "fsdp2_b2_reshard_$reshard" --steps 16 --warmup 8 -- --training.local_batch_size 2 \
+            --training.global_batch_size 4 --parallelism.fsdp_reshard_after_forward $reshard
     done ;;
 float8)  # float8 with TP 2 (torchao's tensorwise scaling over the whole DTensors), plain and async
     for async in false true; do
@@ -43,6 +50,6 @@ load)  # load time when the layout changes (DCP reshards while reading)
     load fsdp2_to_tp2 --resume-with='--parallelism.tensor_parallel_degree 2' ;;
 suite)
     GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
-*) echo "error: unknown group '$group' (steps, float8, cp, load or suite)" >&2; exit 2 ;;
+*) echo "error: unknown group '$group' (steps, fsdp, float8, cp, load or suite)" >&2; exit 2 ;;
 esac
 cat "$out"
