@@ -32,7 +32,10 @@ def apply_fsdp(
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward == "always")
     # The loss is already normalized by the global token count: gradients are summed, not averaged
-    # (divide factor 1, and plain SUM collectives, which every backend has).
+    # (divide factor 1, and plain SUM collectives, which every backend has). One rank has nothing to
+    # sum, and torch's one-rank path would still divide every gradient by the factor, even 1.0.
+    if mesh.size() == 1:
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
