@@ -7,7 +7,6 @@ replica groups of one process run); builds the model and runs the step as train.
 (training/model_setup.py, training/step.py).
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -51,12 +50,12 @@ for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
 for name in ("__truediv__", "div", "div_"):
     setattr(torch.Tensor, name, counting_divisions_by_1(getattr(torch.Tensor, name)))
 
+dist.init_process_group("gloo")
 micro_batches = 3
-local_batch = 12 // micro_batches // int(os.environ["WORLD_SIZE"])  # global batch 12
+local_batch = 12 // micro_batches // dist.get_world_size()  # global batch 12
 config = load_config(["--model.flavor", "tiny", "--training.seq_len", "16", "--training.device", "cpu",
                       "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "12",
                       "--parallelism.fsdp_single_device", "true"])  # fmt: skip
-dist.init_process_group("gloo")
 dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
 mesh = dims.build_mesh("cpu")
 model = build_model(config, dims, mesh, torch.device("cpu"))
