@@ -2,9 +2,10 @@
 divisions of the gradients by 1 (the loss is normalized already; torch's one-rank path divides by
 any divide factor that is set, even 1.0: a pass over every gradient and a temporary as large).
 
-Used by tests/test_parallel.py on 2 ranks and on 1 (FSDP over one device, as fault tolerance's
-replica groups of one process run); builds the model and runs the step as train.py does
-(training/model_setup.py, training/step.py).
+Used by tests/test_parallel.py on 2 ranks, on 1 (FSDP over one device, as fault tolerance's
+replica groups of one process run) and with expert parallelism over both ranks (the experts' FSDP
+then spans one rank); arguments are config overrides. Builds the model and runs the step as
+train.py does (training/model_setup.py, training/step.py).
 """
 
 import sys
@@ -55,7 +56,7 @@ micro_batches = 3
 local_batch = 12 // micro_batches // dist.get_world_size()  # global batch 12
 config = load_config(["--model.flavor", "tiny", "--training.seq_len", "16", "--training.device", "cpu",
                       "--training.local_batch_size", str(local_batch), "--training.global_batch_size", "12",
-                      "--parallelism.fsdp_single_device", "true"])  # fmt: skip
+                      "--parallelism.fsdp_single_device", "true", *sys.argv[1:]])  # fmt: skip
 dims = ParallelDims.from_config(config.parallelism, dist.get_world_size())
 mesh = dims.build_mesh("cpu")
 model = build_model(config, dims, mesh, torch.device("cpu"))

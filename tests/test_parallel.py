@@ -166,18 +166,24 @@ def test_layout_matches_single_process(model, layout, references, tmp_path):
     assert_parity(read_metrics(Path(run[-1])), references(model, overrides))
 
 
-@pytest.mark.parametrize("ranks", [2, 1])
-def test_accumulation_under_fsdp_reduces_once_per_step(ranks):
+@pytest.mark.parametrize(
+    "ranks, overrides, groups",
+    [(2, [], 5), (1, [], 5), (2, ["--model.name", "qwen3_moe", EP, "2"], 3)],
+    ids=["fsdp2", "fsdp1", "fsdp2_ep2"],
+)
+def test_accumulation_under_fsdp_reduces_once_per_step(ranks, overrides, groups):
     """Counts FSDP's reduce-scatters: one per FSDP group per optimizer step, not per micro-batch
-    (none on one rank); and no pass divides the gradients by 1 (on one rank torch's FSDP would,
-    were the divide factor set: 2.9 GiB of peak memory at 3B on the H200, docs/performance.md)."""
+    (none on one rank, none for experts sharded over one rank); and no pass divides the gradients
+    by 1 (on one rank torch's FSDP would, were the divide factor set: 2.9 GiB of peak memory at 3B
+    on the H200, docs/performance.md)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(REPO / "tests/fsdp_sync_probe.py")]  # fmt: skip
+               str(REPO / "tests/fsdp_sync_probe.py"), *overrides]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    reduce_scatters = 5 if ranks > 1 else 0
-    assert f"reduce-scatters per step: {reduce_scatters} (5 FSDP groups, 3 micro-batches)" in result.stdout
+    reduce_scatters = groups if ranks > 1 else 0
+    expected = f"reduce-scatters per step: {reduce_scatters} ({groups} FSDP groups, 3 micro-batches)"
+    assert expected in result.stdout
     assert "gradient divisions by 1: 0" in result.stdout
 
 
