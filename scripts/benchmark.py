@@ -73,19 +73,23 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
     }
 
 
-def main() -> int:
+def parser_with_common_options(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options every benchmark of a trainer takes (this one and benchmark_torchtitan.py)."""
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", required=True)
     parser.add_argument("--name", default="", help="label for the result")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
     parser.add_argument("--log-freq", type=int, default=5)
     parser.add_argument("--out", help="also append the JSON line to this file")
-    parser.add_argument("--keep-metrics", help="also copy the run's metrics.jsonl (every logged step) here")
-    parser.add_argument("--profile-dir", help="also trace two steps after warm-up and keep the traces here")
+    return parser
+
+
+def run_and_report(parser: argparse.ArgumentParser, run) -> int:
+    """Parse the command line (the trainer's overrides after `--`), run, print the JSON line and
+    append it to --out."""
     argv = sys.argv[1:]
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -96,6 +100,14 @@ def main() -> int:
         with open(args.out, "a") as f:
             f.write(line + "\n")
     return 0 if "error" not in result else 1
+
+
+def main() -> int:
+    parser = parser_with_common_options(__doc__, steps=30)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--keep-metrics", help="also copy the run's metrics.jsonl (every logged step) here")
+    parser.add_argument("--profile-dir", help="also trace two steps after warm-up and keep the traces here")
+    return run_and_report(parser, run)
 
 
 if __name__ == "__main__":
