@@ -8,8 +8,7 @@ torchtitan's train.py `main` unchanged under torchrun. It prints one JSON line l
 scripts/benchmark.py: tps is the mean of torchtitan's logged tok/s per GPU over the steps after
 --warmup, memory its peak reserved.
 
-    git -C /work/.mirror/pytorch+torchtitan/repo archive v0.2.2 torchtitan tests/assets/tokenizer \\
-        | (mkdir -p /tmp/torchtitan && tar -x -C /tmp/torchtitan)
+    git clone -q --branch v0.2.2 --depth 1 https://github.com/pytorch/torchtitan /tmp/torchtitan
     python3 scripts/benchmark_torchtitan.py --torchtitan /tmp/torchtitan --flavor 3B --steps 20 --warmup 10 \\
         -- --training.local_batch_size 2 \\
         [--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output]
