@@ -8,10 +8,12 @@
 #   bash scripts/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
 #   bash scripts/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
 #   bash scripts/benchmark_two_gpus.sh suite OUT   # the multi-GPU tests (scripts/gpu_tests.sh)
+#   TORCHTITAN=/tmp/torchtitan bash scripts/benchmark_two_gpus.sh torchtitan OUT
+#                                                  # FSDP 2 and TP 2 rows, torchtitan v0.2.2 and here alternated
 set -uo pipefail  # one failed run (e.g. out of memory) leaves its error line and the next runs go on
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)
-group=${1:?steps, fsdp, float8, cp, load or suite}; out=$(realpath -m "${2:-two_gpus.jsonl}")
+group=${1:?steps, fsdp, float8, cp, load, suite or torchtitan}; out=$(realpath -m "${2:-two_gpus.jsonl}")
 timed_out() { [ "$1" -eq 124 ] && echo "{\"name\": \"$2\", \"error\": \"timed out\"}" >> "$out"; }
 # bench SECONDS --name NAME ...: scripts/benchmark.py on 2 GPUs (a failed run writes its own error line)
 bench() { timeout "$1" python3 scripts/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
@@ -50,6 +52,15 @@ load)  # load time when the layout changes (DCP reshards while reading)
     load fsdp2_to_tp2 --resume-with='--parallelism.tensor_parallel_degree 2' ;;
 suite)
     GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
-*) echo "error: unknown group '$group' (steps, fsdp, float8, cp, load or suite)" >&2; exit 2 ;;
+torchtitan)  # the issue's two-GPU rows against torchtitan's own trainer (scripts/benchmark_torchtitan.py)
+    for layout in "" "--parallelism.tensor_parallel_degree 2"; do
+        name=$([ -z "$layout" ] && echo fsdp2_b2 || echo tp2_b2)
+        timeout 200 python3 scripts/benchmark_torchtitan.py --torchtitan "${TORCHTITAN:?a checkout of v0.2.2}" \
+            --out "$out" --nproc 2 --flavor 3B --name "torchtitan_$name" --steps 20 --warmup 10 \
+            -- --training.local_batch_size 2 $layout > /dev/null 2>&1 || timed_out $? "torchtitan_$name"
+        bench 190 --name "$name" --steps 20 --warmup 10 -- --training.local_batch_size 2 \
+            --training.global_batch_size $([ -z "$layout" ] && echo 4 || echo 2) $layout
+    done ;;
+*) echo "error: unknown group '$group' (steps, fsdp, float8, cp, load, suite or torchtitan)" >&2; exit 2 ;;
 esac
 cat "$out"
