@@ -3,6 +3,8 @@
 # file as one line, to compare runs step by step. STRICT=1 runs it under torch's strict determinism
 # (torch.use_deterministic_algorithms(True), cuBLAS's fixed workspace): two such runs of the same
 # code must log equal numbers to the last bit, so a difference is a race or an unflagged atomic sum.
+# (Python imports only the first sitecustomize.py on its path: STRICT=1 hides one that PYTHONPATH
+# already names, such as scripts/inductor_experiments'.)
 #
 #   STRICT=1 bash scripts/benchmark_repeatability.sh strict_1 losses.txt --config configs/llama3_1b.toml \
 #       --steps 14 --warmup 7 -- --float8.enable true

@@ -59,7 +59,8 @@ def install_datasets_stand_in() -> None:
             return Dataset(self.rows[n:])
 
     def load_dataset(path: str, *args, **kwargs) -> Dataset:
-        return Dataset([json.loads(line) for line in open(path) if line.strip()])
+        with open(path) as f:
+            return Dataset([json.loads(line) for line in f if line.strip()])
 
     def split_dataset_by_node(dataset: Dataset, rank: int, world_size: int) -> Dataset:
         return Dataset(dataset.rows[rank::world_size])

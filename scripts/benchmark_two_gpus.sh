@@ -53,14 +53,15 @@ load)  # load time when the layout changes (DCP reshards while reading)
 suite)
     GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
 torchtitan)  # the two-GPU rows against torchtitan's own trainer (scripts/benchmark_torchtitan.py)
-    for layout in "" "--parallelism.tensor_parallel_degree 2"; do
-        name=$([ -z "$layout" ] && echo fsdp2_b2 || echo tp2_b2)
-        timeout 200 python3 scripts/benchmark_torchtitan.py --torchtitan "${TORCHTITAN:?a checkout of v0.2.2}" \
-            --out "$out" --nproc 2 --flavor 3B --name "torchtitan_$name" --steps 20 --warmup 10 \
-            -- --training.local_batch_size 2 $layout > /dev/null 2>&1 || timed_out $? "torchtitan_$name"
-        bench 190 --name "$name" --steps 20 --warmup 10 -- --training.local_batch_size 2 \
-            --training.global_batch_size $([ -z "$layout" ] && echo 4 || echo 2) $layout
-    done ;;
+    # titan NAME ARGS: torchtitan v0.2.2 on 2 GPUs, the 3B at batch 2 per GPU
+    titan() { timeout 200 python3 scripts/benchmark_torchtitan.py --torchtitan "${TORCHTITAN:?a checkout of v0.2.2}" \
+        --out "$out" --nproc 2 --flavor 3B --name "torchtitan_$1" --steps 20 --warmup 10 \
+        -- --training.local_batch_size 2 "${@:2}" > /dev/null 2>&1 || timed_out $? "torchtitan_$1"; }
+    titan fsdp2_b2
+    bench 190 --name fsdp2_b2 --steps 20 --warmup 10 -- --training.local_batch_size 2 --training.global_batch_size 4
+    titan tp2_b2 --parallelism.tensor_parallel_degree 2
+    bench 190 --name tp2_b2 --steps 20 --warmup 10 -- --training.local_batch_size 2 --training.global_batch_size 2 \
+        --parallelism.tensor_parallel_degree 2 ;;
 *) echo "error: unknown group '$group' (steps, fsdp, float8, cp, load, suite or torchtitan)" >&2; exit 2 ;;
 esac
 cat "$out"
