@@ -3,7 +3,7 @@ and its reader with a rank's files read in parallel.
 
 DCP's FileSystemWriter writes through Python file objects: every byte is copied into the page
 cache, written back by the kernel and fsync'ed at the end (on the H200 machine a save of host
-tensors ran at 1.54 GB/s that way, 1.87 with O_DIRECT, 4 threads; scripts/benchmark_save_stages.py),
+tensors ran at 1.54 GB/s that way, 1.87 with O_DIRECT, 4 threads; benchmarks/benchmark_checkpoint_stages.py),
 and the checksums then read the files back. Here the data
 files (*.distcp) go through `DataFile`: bytes are gathered into one page-aligned 64 MiB buffer,
 the buffer's CRC32 is taken (the piece checksums.json records, checkpoint/integrity.py, so the

@@ -30,7 +30,7 @@ READ_BYTES = 8 * 2**20
 # checkpoint is loaded (a save takes them as it writes, checkpoint/data_files.py), before training
 # runs. H200 machine, 18 GB from the disk: 1.64 GB/s with 4 threads, 1.68 with 8 (the disk's
 # speed); beside DCP's reads, as a resume runs them, the two together took 10.1 s
-# (scripts/benchmark_checkpoint_stages.py).
+# (benchmarks/benchmark_checkpoint_stages.py).
 THREADS = 8
 WRITER = re.compile(r"^__(\d+)_")  # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp
 

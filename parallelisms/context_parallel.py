@@ -131,7 +131,7 @@ class KVExchange:
 
 class WholeSequenceExchange(KVExchange):
     """Stands in for the cp group in one process that holds the whole sequences' K/V (tests,
-    scripts/benchmark_attention.py): nothing is communicated, and the gradients meant for the
+    benchmarks/benchmark_attention.py): nothing is communicated, and the gradients meant for the
     keys' owners are kept (`scattered`, in sequence order; this rank's share is returned as zeros)."""
 
     def __init__(self, kv: torch.Tensor, rank: int, degree: int):

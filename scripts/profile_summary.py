@@ -2,7 +2,7 @@
 
     python scripts/profile_summary.py profiles/rank0_step12-13.json.gz [--steps 2] [--top 20]
 
-Reads a trace written by `[profiling]` (or scripts/benchmark.py --profile-dir) and prints a table
+Reads a trace written by `[profiling]` (or benchmarks/benchmark.py --profile-dir) and prints a table
 per step: matmul, attention, optimizer, NCCL, copies, compiled element-wise (Triton) and other
 kernels, with the time the GPU was idle between kernels over the traced span.
 

@@ -1,6 +1,6 @@
 """The multi-GPU suite: every layout that fits the machine's GPUs against one GPU, on CUDA and NCCL.
 
-    bash scripts/gpu_tests.sh            # on a machine with 2 or more GPUs; results in gpu_results.jsonl
+    bash tests/gpu_tests.sh            # on a machine with 2 or more GPUs; results in gpu_results.jsonl
 
 Each test is a real `torchrun ... train.py` launch of the debug model; the reference is the same
 config on one GPU. On a machine with fewer GPUs than a test needs it is skipped, with the reason.

@@ -1,8 +1,9 @@
 """What checkpointing costs a run: save, stall, load and checksum times, and the speed of the steps
 that run while a background save writes. Prints one JSON line.
 
-    python scripts/benchmark_checkpoint.py --config configs/llama3_1b.toml --folder /fast/disk
-    python scripts/benchmark_checkpoint.py --config configs/llama3_1b.toml --async-mode async_with_pinned_mem
+    python benchmarks/benchmark_checkpoint.py --config configs/llama3_1b.toml --folder /fast/disk
+    python benchmarks/benchmark_checkpoint.py --config configs/llama3_1b.toml \\
+        --async-mode async_with_pinned_mem
 
 Trains --steps steps saving every --interval steps into a fresh folder under --folder (the last
 step's save is model-only, to keep the run short), then resumes from the last full checkpoint and

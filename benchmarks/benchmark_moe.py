@@ -2,10 +2,10 @@
 SwiGLU, and the whole layer (route, dispatch, experts, combine, balance loss), eager and compiled,
 forward + backward. Prints one JSON line per measurement: ms per call and, for the GEMMs, TFLOP/s.
 
-    python scripts/benchmark_moe.py                       # Qwen3-30B-A3B's layer, 8192 tokens
-    python scripts/benchmark_moe.py --tokens 16384 --experts 64
+    python benchmarks/benchmark_moe.py                       # Qwen3-30B-A3B's layer, 8192 tokens
+    python benchmarks/benchmark_moe.py --tokens 16384 --experts 64
 
-With the step time of scripts/benchmark.py on the 4-layer cut (docs/moe.md) this gives the MoE
+With the step time of benchmarks/benchmark.py on the 4-layer cut (docs/moe.md) this gives the MoE
 layers' share of the step: n_layers x the compiled layer's ms / step ms.
 """
 

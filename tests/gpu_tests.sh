@@ -2,8 +2,8 @@
 # The multi-GPU suite (tests/test_gpu.py) on this machine's GPUs: every layout that fits, against one
 # GPU. Results: a JSON line per run in ${GPU_RESULTS:-gpu_results.jsonl}, and pytest's summary.
 #
-#   bash scripts/gpu_tests.sh                 # all tests that fit the GPUs here
-#   bash scripts/gpu_tests.sh -k tp2          # any pytest arguments
+#   bash tests/gpu_tests.sh                 # all tests that fit the GPUs here
+#   bash tests/gpu_tests.sh -k tp2          # any pytest arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)

@@ -2,25 +2,25 @@
 # The two-GPU measurements of docs/performance.md, in groups that each fit one 10-minute device
 # call; one JSON line per run in OUT (default two_gpus.jsonl). Llama 3 3B shape, compile on.
 #
-#   bash scripts/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2, async TP 2
-#   bash scripts/benchmark_two_gpus.sh fsdp OUT    # 3B bf16 batch 2 on FSDP 2: blocks resharded or kept
-#   bash scripts/benchmark_two_gpus.sh float8 OUT  # 3B float8 batch 2: TP 2, async TP 2
-#   bash scripts/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
-#   bash scripts/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
-#   bash scripts/benchmark_two_gpus.sh suite OUT   # the multi-GPU tests (scripts/gpu_tests.sh)
-#   TORCHTITAN=/tmp/torchtitan bash scripts/benchmark_two_gpus.sh torchtitan OUT
+#   bash benchmarks/benchmark_two_gpus.sh steps OUT   # 3B bf16 batch 2: FSDP 2, TP 2, async TP 2
+#   bash benchmarks/benchmark_two_gpus.sh fsdp OUT    # 3B bf16 batch 2 on FSDP 2: blocks resharded or kept
+#   bash benchmarks/benchmark_two_gpus.sh float8 OUT  # 3B float8 batch 2: TP 2, async TP 2
+#   bash benchmarks/benchmark_two_gpus.sh cp OUT      # CP 2 at 32k, and at 131,072 tokens (full AC)
+#   bash benchmarks/benchmark_two_gpus.sh load OUT    # 1B saved on FSDP 2, resumed on TP 2 and on 1 GPU
+#   bash benchmarks/benchmark_two_gpus.sh suite OUT   # the multi-GPU tests (tests/gpu_tests.sh)
+#   TORCHTITAN=/tmp/torchtitan bash benchmarks/benchmark_two_gpus.sh torchtitan OUT
 #                                                  # FSDP 2 and TP 2 rows, torchtitan v0.2.2 and here alternated
 set -uo pipefail  # one failed run (e.g. out of memory) leaves its error line and the next runs go on
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}"  # NVLink multicast off (shared hosts)
 group=${1:?steps, fsdp, float8, cp, load, suite or torchtitan}; out=$(realpath -m "${2:-two_gpus.jsonl}")
 timed_out() { [ "$1" -eq 124 ] && echo "{\"name\": \"$2\", \"error\": \"timed out\"}" >> "$out"; }
-# bench SECONDS --name NAME ...: scripts/benchmark.py on 2 GPUs (a failed run writes its own error line)
-bench() { timeout "$1" python3 scripts/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
+# bench SECONDS --name NAME ...: benchmarks/benchmark.py on 2 GPUs (a failed run writes its own error line)
+bench() { timeout "$1" python3 benchmarks/benchmark.py --out "$out" --nproc 2 --config configs/llama3_3b.toml \
     "${@:2}" > /dev/null 2>&1 || timed_out $? "$3"; }
 # load NAME ARGS: 1B saved on FSDP 2 at step 5, resumed on the layout ARGS give; the global batch
 # fixed at 2 so that every layout trains on the same samples (its resumed loss equals the first's)
-load() { timeout 280 python3 scripts/benchmark_checkpoint.py --config configs/llama3_1b.toml --nproc 2 \
+load() { timeout 280 python3 benchmarks/benchmark_checkpoint.py --config configs/llama3_1b.toml --nproc 2 \
     --steps 6 --interval 5 --name "$1" --out "$out" "${@:2}" \
     -- --training.local_batch_size 1 --training.global_batch_size 2 > /dev/null 2>&1 || timed_out $? "$1"; }
 case $group in
@@ -51,10 +51,10 @@ load)  # load time when the layout changes (DCP reshards while reading)
     load fsdp2_to_one_gpu --resume-nproc 1
     load fsdp2_to_tp2 --resume-with='--parallelism.tensor_parallel_degree 2' ;;
 suite)
-    GPU_RESULTS="$out" timeout 560 bash scripts/gpu_tests.sh ;;
-torchtitan)  # the issue's two-GPU rows against torchtitan's own trainer (scripts/benchmark_torchtitan.py)
+    GPU_RESULTS="$out" timeout 560 bash tests/gpu_tests.sh ;;
+torchtitan)  # the issue's two-GPU rows against torchtitan's own trainer (benchmarks/benchmark_torchtitan.py)
     # titan NAME ARGS: torchtitan v0.2.2 on 2 GPUs, the 3B at batch 2 per GPU
-    titan() { timeout 200 python3 scripts/benchmark_torchtitan.py --torchtitan "${TORCHTITAN:?a checkout of v0.2.2}" \
+    titan() { timeout 200 python3 benchmarks/benchmark_torchtitan.py --torchtitan "${TORCHTITAN:?a checkout of v0.2.2}" \
         --out "$out" --nproc 2 --flavor 3B --name "torchtitan_$1" --steps 20 --warmup 10 \
         -- --training.local_batch_size 2 "${@:2}" > /dev/null 2>&1 || timed_out $? "torchtitan_$1"; }
     titan fsdp2_b2

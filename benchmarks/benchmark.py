@@ -1,7 +1,7 @@
 """Benchmark a config: run N steps of train.py and print one JSON line of throughput and memory.
 
-    python scripts/benchmark.py --config configs/llama3_1b.toml --steps 30 -- --compile.enable
-    python scripts/benchmark.py --config configs/llama3_3b.toml --nproc 8 --out results.jsonl -- \\
+    python benchmarks/benchmark.py --config configs/llama3_1b.toml --steps 30 -- --compile.enable
+    python benchmarks/benchmark.py --config configs/llama3_3b.toml --nproc 8 --out results.jsonl -- \\
         --training.local_batch_size 2
 
 Everything after `--` is passed to train.py as overrides. The numbers are train.py's own metrics

@@ -9,7 +9,7 @@ with tensorwise scales on random data, both settings alternated product by produ
 backward's difference per training step over --layers layers. A prediction, before any change to
 the training code.
 
-    python3 scripts/benchmark_float8_accumulation.py --dim 3072 --kv 1024 --ffn 8192 \
+    python3 benchmarks/benchmark_float8_accumulation.py --dim 3072 --kv 1024 --ffn 8192 \
         --tokens 16384 --layers 28
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts.benchmark_matmul_clocks import products  # noqa: E402
-from scripts.benchmark_projections import kernel_ms  # noqa: E402
+from benchmarks.benchmark_matmul_clocks import products  # noqa: E402
+from benchmarks.benchmark_projections import kernel_ms  # noqa: E402
 
 
 def float8_operands(m: int, n: int, k: int):

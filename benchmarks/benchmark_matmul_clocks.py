@@ -9,9 +9,9 @@ half of --seconds of back-to-back products. With --watch, only the clock and pow
 a command runs (e.g. a training benchmark), and summarized over the samples where the card draws
 more than --busy-watts.
 
-    python3 scripts/benchmark_matmul_clocks.py --dim 3072 --kv 1024 --ffn 8192 --vocab 128256
-    python3 scripts/benchmark_matmul_clocks.py --watch -- \
-        python3 scripts/benchmark.py --config configs/llama3_3b.toml --steps 14 --warmup 7
+    python3 benchmarks/benchmark_matmul_clocks.py --dim 3072 --kv 1024 --ffn 8192 --vocab 128256
+    python3 benchmarks/benchmark_matmul_clocks.py --watch -- \
+        python3 benchmarks/benchmark.py --config configs/llama3_3b.toml --steps 14 --warmup 7
 """
 
 import argparse

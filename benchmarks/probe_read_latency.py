@@ -1,6 +1,6 @@
 """Does reading a step's result wait for a side stream's copies to the host? (CUDA only.)
 
-    python scripts/probe_read_latency.py
+    python benchmarks/probe_read_latency.py
 
 A ~30 ms matmul "step" runs while a thread copies 10 GB from the GPU into pinned host memory on a
 side stream (~195 ms on an H200), issued in 256 MB groups (at most two in flight) or all at once, as

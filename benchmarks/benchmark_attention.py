@@ -1,7 +1,7 @@
 """Time causal attention (forward + backward) on one GPU: plain SDPA per backend, and the
 context-parallel path (parallelisms/context_parallel.py) for the work of one rank of a cp group.
 
-    python scripts/benchmark_attention.py --seq 32768 65536 131072 --out attention.jsonl
+    python benchmarks/benchmark_attention.py --seq 32768 65536 131072 --out attention.jsonl
 
 With one GPU there is no cp group to gather from, so a cp rank's work is timed by giving it the
 full K/V (what the all-gather would produce; context_parallel.WholeSequenceExchange) and running

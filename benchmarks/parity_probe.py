@@ -2,7 +2,7 @@
 parallel layout, under chosen environment variables (each --env gives one pair of runs): the tool
 behind docs/validation.md's account of the tensor-parallel drift on CUDA.
 
-    python3 scripts/parity_probe.py --nproc 2 --layout "--parallelism.tensor_parallel_degree 2" \\
+    python3 benchmarks/parity_probe.py --nproc 2 --layout "--parallelism.tensor_parallel_degree 2" \\
         --env "" --env NVIDIA_TF32_OVERRIDE=0 -- --model.flavor debugmodel --training.steps 20 \\
         --training.mixed_precision_param float32 --training.local_batch_size 8
 

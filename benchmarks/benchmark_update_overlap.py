@@ -1,8 +1,8 @@
 """How much of the optimizer update a concurrent forward hides on one GPU (a prediction, before
 building anything): the model's forward alone, fused AdamW alone, and both at once on two streams.
 
-    python scripts/benchmark_update_overlap.py --config configs/llama3_1b.toml
-    python scripts/benchmark_update_overlap.py --config configs/llama3_3b.toml --repeat 5
+    python benchmarks/benchmark_update_overlap.py --config configs/llama3_1b.toml
+    python benchmarks/benchmark_update_overlap.py --config configs/llama3_3b.toml --repeat 5
 
 The update of step k could run while step k+1's forward starts, block i's forward waiting only for
 block i's parameters. What that saves is bounded by `forward + update - both` (the update time the

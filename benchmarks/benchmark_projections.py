@@ -11,8 +11,9 @@ the block's RMSNorm, float32 weights under bf16 autocast and compiled, as one GP
 time includes the float8 casts: the shared input is cast once per fused matmul, and once per matmul
 when separate unless the compiler shares the cast.
 
-    python3 scripts/benchmark_projections.py --dim 2048 --q 2048 --kv 512 --ffn 8192 --tokens 8192
-    python3 scripts/benchmark_projections.py --dim 3072 --q 3072 --kv 1024 --ffn 8192 --tokens 16384 --float8
+    python3 benchmarks/benchmark_projections.py --dim 2048 --q 2048 --kv 512 --ffn 8192 --tokens 8192
+    python3 benchmarks/benchmark_projections.py --dim 3072 --q 3072 --kv 1024 --ffn 8192 --tokens 16384 \\
+        --float8
 """
 
 import argparse

@@ -12,7 +12,7 @@ With --layout halves (Qwen 3: the first half of head_dim rotated against the sec
   cat      Qwen 3's `rotate_halves`: each half rotated, then concatenated back
   roll     x * (c, c) + roll(x, head_dim / 2) * (-s, s), one expression over head_dim
 
-    python3 scripts/benchmark_rope.py --batch 2 --seq 8192 --heads 24 --kv-heads 8 --head-dim 128
+    python3 benchmarks/benchmark_rope.py --batch 2 --seq 8192 --heads 24 --kv-heads 8 --head-dim 128
 """
 
 import argparse
@@ -24,9 +24,9 @@ import torch
 import torch._inductor.config as inductor_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.benchmark_projections import kernel_ms  # noqa: E402
 from models.llama3.model import apply_rope  # noqa: E402
 from models.qwen3.model import rotate_halves  # noqa: E402
-from scripts.benchmark_projections import kernel_ms  # noqa: E402
 
 
 def rope_stack(x, cos, sin):

@@ -1,6 +1,6 @@
 """Where a checkpoint save's and load's time goes, stage by stage, on one GPU.
 
-    python scripts/benchmark_checkpoint_stages.py --folder /fast/disk/tmp [--parts save load]
+    python benchmarks/benchmark_checkpoint_stages.py --folder /fast/disk/tmp [--parts save load]
 
 Builds state shaped like Llama 3 1B's checkpoint (untied: weights, AdamW's two moments, all fp32,
 18 GB) on the GPU and times, apart:
@@ -34,9 +34,9 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.benchmark_checkpoint import dd
 from checkpoint import integrity
 from checkpoint.data_files import ParallelReader, storage_writer
-from scripts.benchmark_checkpoint import dd
 
 DIM, FFN, KV, VOCAB, LAYERS = 2048, 8192, 512, 128256, 16  # Llama 3.2 1B
 

@@ -1,9 +1,9 @@
 """Inductor settings to measure, without touching the training code: put this folder first on
 PYTHONPATH and name the settings in INDUCTOR_EXPERIMENT (comma-separated); Python imports this
-file at start-up in every process (train.py under scripts/benchmark.py included).
+file at start-up in every process (train.py under benchmarks/benchmark.py included).
 
-    PYTHONPATH=scripts/inductor_experiments INDUCTOR_EXPERIMENT=aligned_splits \
-        python3 scripts/benchmark.py --config configs/llama3_3b.toml -- --float8.enable true
+    PYTHONPATH=benchmarks/inductor_experiments INDUCTOR_EXPERIMENT=aligned_splits \
+        python3 benchmarks/benchmark.py --config configs/llama3_3b.toml -- --float8.enable true
 
 aligned_splits      split reductions into chunks whose length is a multiple of 16 elements.
                     Inductor splits a whole-tensor reduction (a float8 amax) into about 4 parts

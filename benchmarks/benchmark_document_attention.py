@@ -2,7 +2,7 @@
 plain causal cuDNN attention, and check each kernel's output and gradients against SDPA with the
 boolean mask.
 
-    python scripts/benchmark_document_attention.py --out documents.jsonl
+    python benchmarks/benchmark_document_attention.py --out documents.jsonl
 
 Documents: the bundled corpus packed as training packs it (each document's bytes + EOS, windows of
 `--seq` tokens of the concatenated stream; `--windows` of them, timed one by one and averaged), or
@@ -37,8 +37,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.benchmark_attention import time_ms
 from models.attention import document_ids, document_mask, masked_attention
-from scripts.benchmark_attention import time_ms
 
 SHAPES = {"1b": (32, 8, 64), "3b": (24, 8, 128)}  # query heads, KV heads, head dim
 EOS = -1

@@ -5,11 +5,12 @@ torchtitan v0.2.2 has no Llama 3 1B or 3B flavor and reads its data through Hugg
 configs/llama3_3b.toml: untied output, vocabulary 128,256, FFN 8,192) and a stand-in for
 `datasets` that reads a JSONL file of {"text": ...} (the bundled sample by default), then runs
 torchtitan's train.py `main` unchanged under torchrun. It prints one JSON line like
-scripts/benchmark.py: tps is the mean of torchtitan's logged tok/s per GPU over the steps after
+benchmarks/benchmark.py: tps is the mean of torchtitan's logged tok/s per GPU over the steps after
 --warmup, memory its peak reserved.
 
     git clone -q --branch v0.2.2 --depth 1 https://github.com/pytorch/torchtitan /tmp/torchtitan
-    python3 scripts/benchmark_torchtitan.py --torchtitan /tmp/torchtitan --flavor 3B --steps 20 --warmup 10 \\
+    python3 benchmarks/benchmark_torchtitan.py --torchtitan /tmp/torchtitan --flavor 3B --steps 20 \\
+        --warmup 10 \\
         -- --training.local_batch_size 2 \\
         [--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output]
 

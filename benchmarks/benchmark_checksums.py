@@ -1,6 +1,6 @@
 """What the checkpoint checksums (checkpoint/integrity.py) cost: seconds per GiB to record and to verify.
 
-    python scripts/benchmark_checksums.py --gib 1 --ranks 4 [--folder /fast/disk/tmp]
+    python benchmarks/benchmark_checksums.py --gib 1 --ranks 4 [--folder /fast/disk/tmp]
 
 Writes a checkpoint-like folder (one __<rank>_0.distcp file of random bytes per rank, and a small
 .metadata), then times what a save adds (each rank's files checksummed, one rank after the other,

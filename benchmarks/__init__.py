@@ -1,0 +1,1 @@
+"""The lab: measurement scripts and their dated reports (README.md), apart from the product."""
