@@ -1,8 +1,9 @@
-"""Render the config reference from the field docstrings in configs/schema.py.
+"""Render the config reference, docs/configuration.md, from the field docstrings in configs/schema.py.
 
-`python -m configs.docs` prints the Markdown that README.md holds between the
-`<!-- config-reference -->` markers; tests/test_config.py fails when the two differ, so the README
-cannot drift from the schema. `python -m configs.docs --write` updates the README in place.
+`python -m configs.docs` prints the reference tables; `python -m configs.docs --write` writes the
+whole page (the introduction below, then the tables between the `<!-- config-reference -->`
+markers). tests/test_config.py fails when the page differs from what this module renders, so the
+reference cannot drift from the schema: change a docstring in configs/schema.py, then run --write.
 """
 
 import ast
@@ -15,6 +16,28 @@ from configs.loader import _toml_value
 from configs.schema import JobConfig
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+INTRODUCTION = """\
+# Configuration reference
+
+Every config key, its default and its meaning, one table per TOML section. A recipe
+(`configs/*.toml`) sets some of them; every key it does not set keeps the default shown here.
+
+Any key can be overridden on the command line after `--config`, as `--section.key value` or
+`--section.key=value`; booleans also as a bare `--section.key`, lists as `a,b` or TOML `[1, 2]`:
+
+```bash
+python train.py --config configs/llama3_debug.toml --training.steps 200 --optimizer.lr=1e-3
+```
+
+A key that does not exist, a wrong type or a value out of range stops the run with one
+`error: ...` line naming the key (and the key you probably meant). The resolved config of a run is
+written to `config.toml` in its `job.dump_folder` and loads again with `--config`.
+
+This page is generated from the field docstrings in `configs/schema.py` by `configs/docs.py`: edit
+the docstring, then run `python -m configs.docs --write`. `tests/test_config.py` fails while the
+page is stale.
+"""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -35,6 +58,7 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def reference_markdown() -> str:
+    """The tables: one per config section, a row per key (name, default, docstring)."""
     config = JobConfig()
     out = []
     for section in dataclasses.fields(config):
@@ -48,15 +72,15 @@ def reference_markdown() -> str:
     return "\n".join(out)
 
 
-def readme_with_reference(readme: str) -> str:
-    head, _, rest = readme.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{reference_markdown()}{END}{tail}"
+def configuration_page() -> str:
+    """The whole of docs/configuration.md: the introduction, then the tables between the markers."""
+    return f"{INTRODUCTION}\n{BEGIN}\n{reference_markdown()}{END}\n"
 
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
-        readme = Path(__file__).resolve().parent.parent / "README.md"
-        readme.write_text(readme_with_reference(readme.read_text()))
+        PAGE.write_text(configuration_page())
+    elif sys.argv[1:]:
+        sys.exit("usage: python -m configs.docs [--write]")
     else:
         print(reference_markdown())

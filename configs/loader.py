@@ -22,7 +22,7 @@ from configs.schema import JobConfig
 
 USAGE = (
     "usage: train.py [--config FILE.toml] [--section.key VALUE | --section.key=VALUE ...]\n"
-    "Every key is listed, with its default and meaning, in README.md (Configuration)."
+    "Every key is listed, with its default and meaning, in docs/configuration.md."
 )
 
 
