@@ -9,7 +9,7 @@
 
 --config names a recipe (configs/*.toml); any key can then be overridden as --section.key VALUE or
 --section.key=VALUE (booleans also bare: --checkpoint.enable; lists as a,b or [1, 2]). Every key,
-its default and meaning: README.md, "Configuration" (from configs/schema.py). Run the same command
+its default and meaning: docs/configuration.md (from configs/schema.py). Run the same command
 again to resume from the latest checkpoint (--checkpoint.enable).
 
 Where things live: configs/ (schema and loader), models/ (architectures, the contract in spec.py,
@@ -134,6 +134,7 @@ def train(config: JobConfig) -> int:
     checkpointer = Checkpointer(
         config.checkpoint, dump_folder, model.parts, optimizers, dataloader, train_state,
         model.spec.state_dict_adapter(model.args), config.training.steps,
+        saves_here=fault_tolerance.writes_checkpoints,  # with fault tolerance one replica group saves
     )  # fmt: skip
     resumed = checkpointer.load()
     bf16_weights.refresh(model.parts)  # the bf16 copies of the loaded weights, if the layers have any
@@ -145,8 +146,7 @@ def train(config: JobConfig) -> int:
     # Every check has passed: only now is anything written into the dump folder (with fault
     # tolerance each replica group keeps its records in replica_<id>/, continued when it restarts).
     record_folder = fault_tolerance.record_folder(dump_folder)
-    if not fault_tolerance.enabled:
-        check_fresh_record(record_folder, resumed)
+    check_fresh_record(record_folder, continued=resumed or fault_tolerance.enabled)
     if is_logging_rank:
         try:
             record_folder.mkdir(parents=True, exist_ok=True)
@@ -175,56 +175,54 @@ def train(config: JobConfig) -> int:
         model.parts, mesh["dp_cp"].get_group(), pp_group, before_bias_update=checkpointer.before_state_changes
     )
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
-    metrics.start(train_state.step)
+    restart_clock = lambda: metrics.start(train_state.step)  # the state was replaced (fault tolerance)
+    restart_clock()
 
+    # With fault tolerance the replica groups agree on each step (training/fault_tolerance.py): a
+    # group that is behind copies a live peer's state as the step begins, and a step broken by a
+    # group's failure ends at commit() with no update anywhere. Without it these calls do nothing.
     while train_state.step < last_step:
-        if fault_tolerance.start_step():  # torchft: this group was behind and copied a live peer's state
-            metrics.start(train_state.step)
-        step = train_state.step + 1
-        profiler.step_begins(step)
-        lr = optimizers.set_lr(step)
-        micro_batches = dataloader.next_step()
-        step_loss = step_runner.forward_backward(micro_batches)
-        grad_norm = global_grad_norm(gradient_holders, pp_group)
-        if not fault_tolerance.commit():  # a replica group failed during the step: no update anywhere
+        with fault_tolerance.step(on_new_state=restart_clock):
+            step = train_state.step + 1
+            profiler.step_begins(step)
+            lr = optimizers.set_lr(step)
+            micro_batches = dataloader.next_step()
+            step_loss = step_runner.forward_backward(micro_batches)
+            grad_norm = global_grad_norm(gradient_holders, pp_group)
+            fault_tolerance.commit(optimizers)
+            optimizers.step(  # both decided on the device; clipping is applied by the update
+                skip=nonfinite_guard.skip_update(grad_norm, step),
+                clip=clip_divisor(grad_norm, config.training.max_norm),
+            )
             optimizers.zero_grad()
-            continue
-        optimizers.step(  # both decided on the device; clipping is applied by the update
-            skip=nonfinite_guard.skip_update(grad_norm, step),
-            clip=clip_divisor(grad_norm, config.training.max_norm),
-        )
-        optimizers.zero_grad()
-        expert_balance.after_step()  # MoE: expert bias update from the step's token counts
-        precompute_float8_scales(model.parts, config.float8)
-        tokens = tokens_per_step * fault_tolerance.participants() // fault_tolerance.groups
-        train_state.step, train_state.tokens_seen = step, train_state.tokens_seen + tokens
-        profiler.step_ends(step)
-        if fault_tolerance.sync_groups(step, last_step):  # local_sgd: this group was behind and healed
-            metrics.start(train_state.step)
-            continue
+            expert_balance.after_step()  # MoE: expert bias update from the step's token counts
+            precompute_float8_scales(model.parts, config.float8)
+            train_state.step = step
+            train_state.tokens_seen += fault_tolerance.tokens_used(tokens_per_step)
+            profiler.step_ends(step)
+            fault_tolerance.sync(step, last_step, on_new_state=restart_clock)  # local_sgd's averaging
 
-        if step == first_step:
-            metrics.first_step_done(step, START_TIME)
-        if metrics.due(step):  # the only step-end reads of the device: every log_freq steps
-            nonfinite_guard.check()
-            extra = expert_balance.statistics()
-            if config.metrics.log_sample_ids:
-                extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-            metrics.log(step, step_runner.global_loss(step_loss), read_float(grad_norm), lr, extra)
-        if validator.due(step, last_step):
-            with metrics.paused():
-                metrics.log_validation(step, validator.evaluate(step_runner.evaluate))
-        stopping = stop_signals.requested(step)
-        saving = checkpointer.due(step) or (stopping and checkpointer.enabled)
-        saving = saving and fault_tolerance.writes_checkpoints()  # one replica group saves
-        if saving:
-            nonfinite_guard.check()  # an update held back by a non-finite step is never saved
-            with metrics.paused():
-                checkpointer.save(step, blocking=stopping)
-        if stopping:
-            saved = f"saved {checkpointer.path(step)}" if saving else "no checkpoint saved"
-            logger.info(f"stopped by {stop_signals.name} after step {step}: {saved}")
-            break
+            if step == first_step:
+                metrics.first_step_done(step, START_TIME)
+            if metrics.due(step):  # the only step-end reads of the device: every log_freq steps
+                nonfinite_guard.check()
+                extra = expert_balance.statistics()
+                if config.metrics.log_sample_ids:
+                    extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
+                metrics.log(step, step_runner.global_loss(step_loss), read_float(grad_norm), lr, extra)
+            if validator.due(step, last_step):
+                with metrics.paused():
+                    metrics.log_validation(step, validator.evaluate(step_runner.evaluate))
+            stopping = stop_signals.requested(step)
+            saving = checkpointer.due(step, stopping)
+            if saving:
+                nonfinite_guard.check()  # an update held back by a non-finite step is never saved
+                with metrics.paused():
+                    checkpointer.save(step, blocking=stopping)
+            if stopping:
+                saved = f"saved {checkpointer.path(step)}" if saving else "no checkpoint saved"
+                logger.info(f"stopped by {stop_signals.name} after step {step}: {saved}")
+                break
 
     nonfinite_guard.check()
     checkpointer.close()

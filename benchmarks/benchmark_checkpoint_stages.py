@@ -6,12 +6,12 @@ Builds state shaped like Llama 3 1B's checkpoint (untied: weights, AdamW's two m
 18 GB) on the GPU and times, apart:
   save: the device-to-host copies DCP makes (pageable, one thread and several, and into pinned
         buffers), and dcp.save of host tensors (no copies) through this repository's writer
-        (checkpoint/data_files.py) with O_DIRECT, without it, and with torch.save's own zip CRC32
+        (checkpoint/fast_io/data_files.py) with O_DIRECT, without it, and with torch.save's own zip CRC32
         turned off; then dcp.save of the GPU tensors; and dd on the same folder
         (benchmark_checkpoint.py's): what the disk allows.
   load: a checkpoint saved as training saves it, read back into GPU tensors: the checksum check
         (checkpoint/integrity.py) from the disk, dcp.load with DCP's FileSystemReader and with
-        ParallelReader (checkpoint/data_files.py), each from the disk ("cold": the files' pages
+        ParallelReader (checkpoint/fast_io/data_files.py), each from the disk ("cold": the files' pages
         dropped from the page cache first, posix_fadvise) and from the page cache ("warm"), and
         ParallelReader into host tensors (no host-to-device copies).
 One JSON line per stage: seconds and GB/s.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.benchmark_checkpoint import dd
 from checkpoint import integrity
-from checkpoint.data_files import ParallelReader, storage_writer
+from checkpoint.fast_io.data_files import ParallelReader, storage_writer
 
 DIM, FFN, KV, VOCAB, LAYERS = 2048, 8192, 512, 128256, 16  # Llama 3.2 1B
 

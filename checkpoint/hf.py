@@ -26,7 +26,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from configs import UserError
 from data.tokenizer import Tokenizer, build_tokenizer
 from models.hf_adapter import StateDictAdapter
-from training.weight_init import original_name
+from parallelisms.wrapper_names import original_name
 
 SHARD_BYTES = 5 * 2**30
 # What of model.hf_assets_path the export carries: the files data/tokenizer.py reads, and the map

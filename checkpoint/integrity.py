@@ -6,7 +6,7 @@ checksums.json in each step-N folder holds, per file, its size and the CRC32 of 
 pieces, so that a rank's threads share one large file and an error can say where the damage is.
 
 Saving (checkpoint/manager.py): each rank's data files are checksummed piece by piece as they are
-written (checkpoint/data_files.py); rank 0 gathers the results, adds .metadata and writes
+written (checkpoint/fast_io/data_files.py); rank 0 gathers the results, adds .metadata and writes
 checksums.json before the checkpoint is committed. Loading: the files are shared out over the ranks
 (a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
 reads from it) while DCP reads the same files, and any problem stops every rank before anything read
@@ -27,7 +27,7 @@ MANIFEST = "checksums.json"
 PIECE_BYTES = 64 * 2**20
 READ_BYTES = 8 * 2**20
 # Per rank; zlib releases the GIL, so threads run in parallel. Checksums are read back only when a
-# checkpoint is loaded (a save takes them as it writes, checkpoint/data_files.py), before training
+# checkpoint is loaded (a save takes them as it writes, checkpoint/fast_io/data_files.py), before training
 # runs. H200 machine, 18 GB from the disk: 1.64 GB/s with 4 threads, 1.68 with 8 (the disk's
 # speed); beside DCP's reads, as a resume runs them, the two together took 10.1 s
 # (benchmarks/benchmark_checkpoint_stages.py).

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # Args that may change on resume: the RoPE table follows training.seq_len.
 RESUMABLE_ARGS = ("max_seq_len",)
+PARTS = ("model", "optimizer", "train", "dataloader")
 
 
 @dataclass
@@ -90,6 +91,39 @@ class TrainState:
             torch.set_rng_state(as_tensor(generators["cpu"]))
         if "cuda" in generators and torch.cuda.is_available():
             torch.cuda.set_rng_state(as_tensor(generators["cuda"]))
+
+
+@dataclass
+class Checkpointed:
+    """The live objects a checkpoint holds, and their state as DCP saves it and loads it back."""
+
+    model_parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    train_state: TrainState
+    dataloader: Any  # anything with state_dict() / load_state_dict()
+
+    def state(self, parts=PARTS) -> dict:
+        state = {}
+        if "model" in parts:
+            state["model"] = model_state(self.model_parts)
+        if "optimizer" in parts:
+            state["optimizer"] = optimizer_state(self.model_parts, self.optimizers)
+        if "train" in parts:
+            state["train"] = self.train_state.to_dict()
+        if "dataloader" in parts:
+            state["dataloader"] = self.dataloader.state_dict()
+        return state
+
+    def load(self, state: dict) -> None:
+        """What a checkpoint's state() read into (tensors loaded in place), into the live objects."""
+        if "model" in state:
+            load_model_state(self.model_parts, state["model"])
+        if "optimizer" in state:
+            load_optimizer_state(self.model_parts, self.optimizers, state["optimizer"])
+        if "train" in state:
+            self.train_state.load_dict(state["train"])
+        if "dataloader" in state:
+            self.dataloader.load_state_dict(state["dataloader"])
 
 
 def model_state(model_parts: list[nn.Module]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """The typed schema of a training config: one dataclass per TOML section.
 
 Each field's docstring (the string literal under it) is its documentation, and each section's
-check() the range checks of its fields: `python -m configs.docs`
-renders them into the README's reference table, and a test fails if a field has none or the README
+check() the range checks of its fields: `python -m configs.docs --write`
+renders them into docs/configuration.md, and a test fails if a field has none or that page
 drifts. Key names follow torchtitan v0.2 where the concept is the same.
 """
 
@@ -324,7 +324,7 @@ class Float8(Section):
     enable: bool = False
     """Float8 matmuls for the Linear layers (torchao; on CUDA needs compute capability 8.9+). With
     tensor parallelism the weights are sharded and the activations gathered in bf16, and the float8
-    scales are those of the whole tensors (docs/performance.md, float8 with tensor parallelism)."""
+    scales are those of the whole tensors (tested on CPU against float8 on one process)."""
 
     recipe_name: Literal["tensorwise", "rowwise"] = "tensorwise"
     """torchao scaling recipe: one scale per tensor (fastest), or per row (more accurate)."""
@@ -416,30 +416,38 @@ class Checkpoint(Section):
     are then renamed step-N.abandoned (kept, never counted or loaded), so the run continues from here."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """disabled: training waits for the save (on a GPU the state is first copied into page-locked
-    host buffers kept for the run, as with async_with_pinned_mem). async: tensors are copied to
-    host memory, then written by a background thread while training goes on. async_with_pinned_mem:
-    the same through pinned host buffers (faster copies from the GPU). Host memory: every mode but
-    disabled on a CPU keeps one copy of this rank's share of the checkpoint."""
+    """disabled: training waits for the save (with fast_io on a GPU the state is first copied into
+    page-locked host buffers kept for the run, as with async_with_pinned_mem). async: tensors are
+    copied to host memory, then written in the background while training goes on.
+    async_with_pinned_mem: the same through pinned host buffers kept for the run (faster copies from
+    the GPU; with fast_io = false the same as async). Host memory: every mode but disabled keeps one
+    copy of this rank's share of the checkpoint."""
+
+    fast_io: bool = True
+    """true: the fast path (checkpoint/fast_io/): host buffers kept for the run, async saves written
+    by a writer process (async_writer), data files written with O_DIRECT (direct_io) and checksummed
+    as written, files read back by parallel threads. false: torch's DCP as it is (FileSystemWriter,
+    BlockingAsyncStager, FileSystemReader), the checksums taken by reading the files back. Both
+    write the same format: either resumes from the other's checkpoints."""
 
     async_writer: Literal["process", "thread"] = "process"
-    """Who writes an async save. process: a writer process per rank, started with the run, which
-    reads the host copies in place (shared memory; Linux, else a thread): its Python work does not
-    slow training. thread: a thread of the training process, whose Python work slows the training
-    thread meanwhile (docs/performance.md: two steps at 53% of their speed on the H200, one with the
-    process)."""
+    """fast_io only. Who writes an async save. process: a writer process per rank, started with the
+    run, which reads the host copies in place (shared memory; Linux, else a thread): its Python work
+    does not slow training. thread: a thread of the training process, whose Python work slows the
+    training thread meanwhile (two steps at 53% of their speed on the H200, one with the process:
+    docs/checkpointing.md)."""
 
     writer_threads: int = 8
     """Threads each rank writes its checkpoint files with (more, smaller files; DCP's
-    FileSystemWriter thread_count), and reads checkpoint files with when loading.
-    docs/performance.md has the measured effect (H200 machine: saves 2.54 GB/s with 8, 1.87 with
-    4; an 18 GB load from the page cache 3.4 s with 8 threads, 8.6 s with DCP's one)."""
+    FileSystemWriter thread_count) and, with fast_io, reads them with when loading (H200 machine:
+    saves 2.54 GB/s with 8, 1.87 with 4; an 18 GB load from the page cache 3.4 s with 8 threads,
+    8.6 s with DCP's one)."""
 
     direct_io: bool = True
-    """Write the data files with O_DIRECT, past the page cache, checksumming them on the way
-    (checkpoint/data_files.py): faster on local disks; a filesystem that refuses O_DIRECT gets
-    ordinary writes. false: ordinary writes everywhere (e.g. where O_DIRECT is slow, as on some
-    network filesystems)."""
+    """fast_io only. Write the data files with O_DIRECT, past the page cache, checksumming them on
+    the way (checkpoint/fast_io/data_files.py): faster on local disks; a filesystem that refuses
+    O_DIRECT gets ordinary writes. false: ordinary writes everywhere (e.g. where O_DIRECT is slow,
+    as on some network filesystems)."""
 
     last_save_model_only: bool = False
     """At the last step save only the model weights (in export_dtype), e.g. for export; such a
@@ -471,7 +479,7 @@ class Checkpoint(Section):
              set(self.exclude_from_loading) <= {"model", "optimizer", "train", "dataloader"},
              "may only name model, optimizer, train, dataloader"),
             # Resuming needs enable; these keys do nothing else, so one set without it is a mistake.
-            # Saving keys (interval, ...) only warn (checkpoint/manager.py): a recipe may keep them
+            # Saving keys (interval, ...) only warn (checkpoint/saving.py): a recipe may keep them
             # with saving off and a command line turn it on.
             ("load_step", self.enable or self.load_step == -1, RESUMING_ONLY),
             ("exclude_from_loading", self.enable or not self.exclude_from_loading, RESUMING_ONLY),

@@ -299,7 +299,7 @@ class MoE(nn.Module):
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
     """Every MoE layer of a model or pipeline stage, by module name ("layers.3.moe"; wrappers such as
-    activation checkpointing add their prefixes: training.weight_init.original_name strips them)."""
+    activation checkpointing add their prefixes: parallelisms/wrapper_names.original_name strips them)."""
     return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}
 
 

@@ -213,7 +213,7 @@ def checksums(folder: Path) -> dict[str, str]:
 def test_async_save_writes_the_same_bytes_as_sync(writer, reference, tmp_path):
     """The reference saves with O_DIRECT (checkpoint.direct_io, default), this run through the page
     cache. async_with_pinned_mem takes this path too without a GPU (pinned buffers and side-stream
-    copies need CUDA: checkpoint/staging.py); on the H200 it is measured (docs/performance.md)."""
+    copies need CUDA: checkpoint/fast_io/staging.py); on the H200 it is measured (docs/performance.md)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = tmp_path / "async"
@@ -221,7 +221,7 @@ def test_async_save_writes_the_same_bytes_as_sync(writer, reference, tmp_path):
     async_mode = ["--checkpoint.async_mode", "async", "--checkpoint.direct_io", "false"]
     result = run_train([*COMMON, *SINGLE, *async_mode, "--checkpoint.async_writer", writer,
                         "--job.dump_folder", str(folder)])  # fmt: skip
-    # Written by the writer process (checkpoint/writer_process.py, from the host buffers it
+    # Written by the writer process (checkpoint/fast_io/writer_process.py, from the host buffers it
     # shares) or by a thread of the training process.
     assert f"{folder / 'checkpoint' / 'step-5'} in the background by the writer {writer}" in result.stdout
     for step in (5, 10):
@@ -240,7 +240,7 @@ def test_async_save_writes_the_same_bytes_as_sync(writer, reference, tmp_path):
 
 
 def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
-    """checkpoint/writer_process.py: what the writer rebuilds from the shared buffers (and, for a
+    """checkpoint/fast_io/writer_process.py: what the writer rebuilds from the shared buffers (and, for a
     tensor made after them, from the request) is the staged state, and DCP plans and resolves it as
     it does the staged state itself, DTensor shards included (here rank 2 of a 4-rank mesh)."""
     import pickle
@@ -251,8 +251,8 @@ def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from checkpoint.staging import Stager
-    from checkpoint.writer_process import ByValue, InArena, _rebuild, describe_staged
+    from checkpoint.fast_io.staging import Stager
+    from checkpoint.fast_io.writer_process import ByValue, InArena, _rebuild, describe_staged
 
     dist.init_process_group("fake", store=FakeStore(), rank=2, world_size=4)
     try:
@@ -314,7 +314,7 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
     tensor made after the buffers completes too."""
     import torch.distributed as dist
 
-    from checkpoint.manager import complete_steps
+    from checkpoint.saving import complete_steps
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -322,7 +322,7 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
         model(torch.ones(2, 4)).sum().backward()
         optimizer.step()  # (the host buffers are made after the first step)
         checkpointer.save(1)
-        assert checkpointer.writer.ready is False  # the save did not wait for the writer to start
+        assert checkpointer.storage.writer.ready is False  # the save did not wait for the writer to start
         deadline = time.monotonic() + 60
         while complete_steps(tmp_path / "checkpoint") != [1] and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -345,8 +345,8 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
 
     import torch.distributed as dist
 
-    from checkpoint import staging
-    from checkpoint.manager import complete_steps
+    from checkpoint.fast_io import staging
+    from checkpoint.saving import complete_steps
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the writers meet there too
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -359,7 +359,7 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
     model, optimizer, checkpointer = _async_checkpointer(Path(folder))
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()  # (the host buffers are made after the first step)
-    assert checkpointer.writer is None, f"rank {rank} kept its writer process"
+    assert checkpointer.storage.writer is None, f"rank {rank} kept its writer process"
     checkpointer.save(1)
     checkpointer.wait()
     assert complete_steps(Path(folder) / "checkpoint") == [1]
@@ -392,12 +392,13 @@ def test_writers_agree_when_one_rank_has_no_shared_memory(tmp_path):
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_data_file_writes_an_ordinary_files_bytes_and_checksums(direct, monkeypatch, tmp_path):
-    """checkpoint/data_files.py: bytes written in pieces (the last one padded for O_DIRECT, then
+    """checkpoint/fast_io/data_files.py: bytes written in pieces (the last one padded for O_DIRECT, then
     truncated) read back as written, and the CRC32s taken on the way are those integrity.checksum
     reads back; empty files too."""
     import random
 
-    from checkpoint import data_files, integrity
+    from checkpoint import integrity
+    from checkpoint.fast_io import data_files
 
     piece = 16 * data_files.ALIGNMENT
     monkeypatch.setattr(data_files, "PIECE_BYTES", piece)
@@ -418,7 +419,7 @@ def test_data_file_names_its_file_in_a_write_error_and_falls_back_from_o_direct(
     filesystem refusing an O_DIRECT write (EINVAL) gets ordinary writes of the same bytes."""
     import errno
 
-    from checkpoint import data_files
+    from checkpoint.fast_io import data_files
 
     write = data_files.os.write
     refusals = []
@@ -443,7 +444,7 @@ def test_data_file_names_its_file_in_a_write_error_and_falls_back_from_o_direct(
 
 
 def test_parallel_reader_reads_one_file_in_runs_and_equals_dcps_reader(monkeypatch, tmp_path):
-    """checkpoint/data_files.ParallelReader: a checkpoint in one file (as the conversion scripts
+    """checkpoint/fast_io/data_files.ParallelReader: a checkpoint in one file (as the conversion scripts
     write) is read by several threads, each a run of its records of about equal bytes; the state
     loaded is the one saved (the resume tests load every layout through it)."""
     import warnings
@@ -451,7 +452,7 @@ def test_parallel_reader_reads_one_file_in_runs_and_equals_dcps_reader(monkeypat
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-    from checkpoint.data_files import ParallelReader, equal_runs
+    from checkpoint.fast_io.data_files import ParallelReader, equal_runs
 
     assert equal_runs(list("abcdef"), [1, 1, 1, 1, 1, 10], 3) == [list("abcde"), ["f"]]
     assert equal_runs(list("ab"), [5, 5], 8) == [["a"], ["b"]] and equal_runs([], [], 4) == []
@@ -469,7 +470,7 @@ def test_parallel_reader_reads_one_file_in_runs_and_equals_dcps_reader(monkeypat
 
 
 def test_save_planner_serializes_each_plain_value_once_and_writes_dcps_bytes(tmp_path):
-    """checkpoint/writing.SaveOnceEachValue: the files are byte for byte those of DCP's own
+    """checkpoint/fast_io/writing.SaveOnceEachValue: the files are byte for byte those of DCP's own
     planner, while equal plain values (the optimizer's per-parameter hyperparameters) are
     serialized once; values that look equal but save differently (0.0 / -0.0, 1 / True) stay apart."""
     import warnings
@@ -477,9 +478,9 @@ def test_save_planner_serializes_each_plain_value_once_and_writes_dcps_bytes(tmp
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from checkpoint.data_files import storage_writer
+    from checkpoint.fast_io.data_files import storage_writer
+    from checkpoint.fast_io.writing import SaveOnceEachValue
     from checkpoint.state import optimizer_state
-    from checkpoint.writing import SaveOnceEachValue
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -566,11 +567,11 @@ def test_a_full_disk_is_named_in_the_save_error(monkeypatch, tmp_path):
     598", seen on the H200 machine): the error line adds the free space when it is nearly gone."""
     from types import SimpleNamespace
 
-    from checkpoint import writing
+    from checkpoint import storage
 
-    assert writing.low_disk_note(tmp_path) == ""  # this disk has room
-    monkeypatch.setattr(writing.shutil, "disk_usage", lambda path: SimpleNamespace(free=12_000_000))
-    assert writing.low_disk_note(tmp_path) == " (its disk has 0.0 GB free)"
+    assert storage.low_disk_note(tmp_path) == ""  # this disk has room
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: SimpleNamespace(free=12_000_000))
+    assert storage.low_disk_note(tmp_path) == " (its disk has 0.0 GB free)"
 
 
 # Loaded by every train.py process through PYTHONPATH: rank 1's writes into FAIL_SAVE's folder
@@ -653,7 +654,7 @@ def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(reference, tm
     """checkpoint.load_step 5 in a folder holding step-5 and step-10: step-10 (the abandoned
     future) is renamed step-10.abandoned, so keep_latest_k keeps this run's own step-8 rather than
     deleting it for the newer step-10, and the next resume continues this run."""
-    from checkpoint.manager import complete_steps
+    from checkpoint.saving import complete_steps
 
     folder = tmp_path / "rolled_back"
     shutil.copytree(reference / "checkpoint", folder / "checkpoint")
@@ -758,3 +759,26 @@ def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
         folder = resume_from(ep4, tmp_path / name)
         run_train([*COMMON, *moe, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
         assert_continues(folder, ep4, rel=1e-5)
+
+
+def test_plain_and_fast_paths_resume_from_each_others_checkpoints(reference, tmp_path):
+    """checkpoint.fast_io = false saves through DCP's own writer (here async: DCP's stager, a
+    writer thread) with checksums read back; the fast path resumes from its checkpoint, and the
+    plain path from the fast path's (the reference's), each on another layout, continuing exactly."""
+    plain = tmp_path / "plain"
+    args = [*COMMON, "--training.local_batch_size", "4", "--checkpoint.fast_io", "false"]
+    run_train([*args, "--checkpoint.async_mode", "async", "--job.dump_folder", str(plain)], nproc=2)
+    want = by_step(read_metrics(reference))
+    for step, record in by_step(read_metrics(plain)).items():
+        assert record["loss"] == pytest.approx(want[step]["loss"], rel=1e-5, abs=0), step
+    checkpoint = plain / "checkpoint" / "step-5"
+    recorded = json.loads((checkpoint / "checksums.json").read_text())["files"]
+    assert sorted(recorded) == sorted(p.name for p in checkpoint.iterdir() if p.name != "checksums.json")
+
+    fast_resumes_plain = resume_from(plain, tmp_path / "a")
+    run_train([*COMMON, *SINGLE, "--job.dump_folder", str(fast_resumes_plain)])
+    assert_continues(fast_resumes_plain, reference, rel=1e-5)
+    plain_resumes_fast = resume_from(reference, tmp_path / "b")
+    result = run_train([*args, "--job.dump_folder", str(plain_resumes_fast)], nproc=2)
+    assert re.search(r"resumed from .* files read in \S+ s, checked", result.stdout), result.stdout
+    assert_continues(plain_resumes_fast, reference, rel=1e-5)

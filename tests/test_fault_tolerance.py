@@ -102,13 +102,14 @@ if sys.argv and sys.argv[0].endswith("train.py"):
         write_digest(self, "replica_" + replica, ("model", "optimizer"))
         close(self)
     ft.FaultTolerance.register_state, ft.FaultTolerance.close = keep, digest_and_close
-    sync_groups = ft.FaultTolerance.sync_groups
-    def digest_after_sync(self, step, last_step):  # local SGD: the parameters right after a sync
-        healed = sync_groups(self, step, last_step)
-        if self.local_sgd is not None and (step % self.sync_steps == 0 or step == last_step):
-            write_digest(self, f"replica_{replica}_step_{step}", ("model",))
-        return healed
-    ft.FaultTolerance.sync_groups = digest_after_sync
+    sync = ft.FaultTolerance.sync
+    def digest_after_sync(self, step, last_step, on_new_state):  # local SGD: parameters after a sync
+        try:
+            sync(self, step, last_step, on_new_state)
+        finally:
+            if self.local_sgd is not None and (step % self.sync_steps == 0 or step == last_step):
+                write_digest(self, f"replica_{replica}_step_{step}", ("model",))
+    ft.FaultTolerance.sync = digest_after_sync
 """
 
 

@@ -259,10 +259,10 @@ def test_one_gpu_saves_resume_the_run(mode, single, tmp_path):
 @gpus(1)
 @pytest.mark.parametrize("snapshot", [True, False])
 def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(snapshot, monkeypatch):
-    """checkpoint/staging.py: the optimizer's pre-hook stops the staging thread part-way; the rest
+    """checkpoint/fast_io/staging.py: the optimizer's pre-hook stops the staging thread part-way; the rest
     is snapshotted on the GPU (or, without room, copied straight, the optimizer waiting on the GPU).
     The update right after must not reach the host copies: they hold the values before it."""
-    from checkpoint import staging
+    from checkpoint.fast_io import staging
 
     if not snapshot:  # no room for snapshots
         monkeypatch.setattr(staging._OverlappedCopies, "SPARE_BYTES", 1 << 50)
@@ -283,11 +283,11 @@ def test_optimizer_step_takes_over_the_host_copy_and_changes_nothing_it_copies(s
 
 @gpus(1)
 def test_snapshots_leave_the_freed_activations_to_the_next_step():
-    """checkpoint/staging.py: the take-over's snapshots take memory of the side stream's, not the
+    """checkpoint/fast_io/staging.py: the take-over's snapshots take memory of the side stream's, not the
     blocks the step's activations freed into the training stream's cache, so the next step's
     activations fit in the cache as before (when the snapshots took them, the reserve grew at that
     step: slow with expandable segments, and near the memory limit a risk)."""
-    from checkpoint import staging
+    from checkpoint.fast_io import staging
 
     torch.cuda.empty_cache()  # (the cache then holds only what this test frees)
     weights = [torch.randn(1 << 24, device="cuda") for _ in range(24)]  # 64 MB each

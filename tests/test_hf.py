@@ -30,10 +30,11 @@ from configs import load_config
 from models import get_model_spec
 from models.spec import model_args
 from parallelisms import ParallelDims
+from parallelisms.wrapper_names import original_name
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from scripts.model_from_config import one_process_dcp
 from training.model_setup import build_model, resolve_model
-from training.weight_init import init_weights, materialize, original_name
+from training.weight_init import init_weights, materialize
 
 EXPORT_CONFIGS = ("config.json", "generation_config.json")
 COMMON = [*TINY, "--training.steps", "5", "--training.global_batch_size", "8"]

@@ -479,8 +479,9 @@ def test_each_rank_reads_only_its_experts(tmp_path, monkeypatch):
     from checkpoint import hf
     from configs import load_config
     from parallelisms import ParallelDims
+    from parallelisms.wrapper_names import original_name
     from training.model_setup import build_model
-    from training.weight_init import materialize, original_name
+    from training.weight_init import materialize
 
     overrides = ["--model.name=qwen3_moe", "--parallelism.data_parallel_shard_degree=4",
                  "--parallelism.tensor_parallel_degree=2"]  # fmt: skip

@@ -175,7 +175,7 @@ def test_accumulation_under_fsdp_reduces_once_per_step(ranks, overrides, groups)
     """Counts FSDP's reduce-scatters: one per FSDP group per optimizer step, not per micro-batch
     (none on one rank, none for experts sharded over one rank); and no pass divides the gradients
     by 1 (on one rank torch's FSDP would, were the divide factor set: 2.9 GiB of peak memory at 3B
-    on the H200, docs/performance.md)."""
+    on the H200)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(REPO / "tests/fsdp_sync_probe.py"), *overrides]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}

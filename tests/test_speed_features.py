@@ -148,7 +148,7 @@ def test_checkpointed_and_compiled_blocks_save_under_the_plain_names():
 def test_float8_tracks_full_precision_over_100_steps(tmp_path):
     """torchao float8 (emulated on CPU) against float32 on the same data: the loss over the last 50
     of 100 steps (one step's loss is too noisy at this size) within 1% (measured: 0.11%; the 300-step
-    Llama 3 1B comparison on the H200 is in docs/performance.md)."""
+    Llama 3 1B comparison on the H200: docs/performance.md)."""
     args = [*TINY, "--training.steps", "100", "--training.local_batch_size", "8",
             "--lr_scheduler.warmup_steps", "20", "--optimizer.lr", "3e-3"]  # fmt: skip
     run_train([*args, "--job.dump_folder", str(tmp_path / "fp32")])

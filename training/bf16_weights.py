@@ -2,7 +2,7 @@
 
 A model that FSDP does not wrap computes in bf16 under autocast, which casts every float32 weight
 to bf16 in each forward (and again in backward) and every bf16 weight gradient back to float32:
-passes over all the weights, ~3% of a Llama 3 step on the H200 (docs/performance.md). Here each
+passes over all the weights, ~3% of a Llama 3 step on the H200 (benchmarks/benchmark.py). Here each
 nn.Linear reads a bf16 copy of its weight instead; its gradient stays in bf16, on the copy; and the
 AdamW update (training/optimizer.py) reads that gradient and writes the new copy in its one pass
 over the weight. The float32 weights stay the model's parameters, with the optimizer's state, so

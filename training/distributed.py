@@ -48,7 +48,7 @@ def select_device(choice: str) -> torch.device:
     # Growable allocator segments: far less memory lost to fragmentation between steps of different
     # allocation patterns (accumulation, pipeline micro-batches). Page-locked host memory (the
     # checkpoint's host buffers) allocated as ordinary memory touched in 8 threads, then registered
-    # with CUDA: 6.6 GB/s against cudaHostAlloc's 1.6 on the H200 machine (docs/performance.md).
+    # with CUDA: 6.6 GB/s against cudaHostAlloc's 1.6 on the H200 machine (docs/checkpointing.md).
     # Read when CUDA starts, so set it first; a user's own setting wins.
     os.environ.setdefault(
         "PYTORCH_CUDA_ALLOC_CONF",

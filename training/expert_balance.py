@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from models.moe import load_statistics, moe_layers, update_expert_bias
+from parallelisms.wrapper_names import original_name
 from training import distributed
 from training.host_reads import to_host
-from training.weight_init import original_name
 
 
 class ExpertBalance:

@@ -23,9 +23,11 @@ the samples that were read. The samples of a dead group's slices, and of a step 
 skipped, never read twice (docs/fault_tolerance.md).
 """
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,6 +42,12 @@ from models.moe import moe_layers
 from training.host_reads import read_float
 
 logger = logging.getLogger(__name__)
+
+
+class StepAbandoned(Exception):
+    """A step ended early among replica groups: a group failed during it (no group updates), or
+    this group healed from a peer at a local_sgd sync (its state is now the peer's). The loop goes
+    on with its next step; nothing of this one is logged or saved."""
 
 
 def local(tensor):
@@ -118,7 +126,7 @@ class FaultTolerance:
             load_state_dict=None,
             state_dict=None,
             min_replica_size=config.min_replica_size,
-            use_async_quorum=False,  # a group that is behind heals in start_step, before it reads data
+            use_async_quorum=False,  # a group that is behind heals in step(), before it reads data
             replica_id=f"replica_{config.replica_id}",
             lighthouse_addr=lighthouse,
             timeout=timeout,
@@ -177,7 +185,7 @@ class FaultTolerance:
                     "fault_tolerance.semi_sync_method local_sgd needs one model part per rank (not a "
                     "pipeline schedule with several stages per rank)"
                 )
-            # Synced by sync_groups at step numbers (not by its optimizer hooks, which count only
+            # Synced by sync() at step numbers (not by its optimizer hooks, which count only
             # the updates a non-finite step did not skip), so every group syncs at the same steps.
             self.local_sgd = LocalSGD(self.manager, model_parts[0], optimizers.parts[0], self.sync_steps)
             return
@@ -202,33 +210,46 @@ class FaultTolerance:
         save = lambda: healing_state(model_parts, optimizers, dataloader, train_state)
         self.manager.register_state_dict_fn("train", load, save)
 
-    # ---- the step protocol -----------------------------------------------------------------
-    def start_step(self) -> bool:
-        """The quorum of live groups for this step; a group that is behind heals here (True)."""
-        if not self.enabled or self.semi_sync:  # semi-sync: the quorum is at the next sync
-            return False
-        self.healed = False
-        self.manager.start_quorum()
-        return self.healed
+    # ---- the step protocol (train.py: `with fault_tolerance.step(...)` around the loop's body) ----
+    @contextlib.contextmanager
+    def step(self, on_new_state: Callable[[], None]) -> Iterator[None]:
+        """One step of the loop among the replica groups: the quorum of live groups first (a group
+        that is behind copies a live peer's state here, then on_new_state() is called); a step that
+        commit() or sync() abandons ends here. Disabled: the body runs as it is."""
+        if self.enabled and not self.semi_sync:  # semi-sync: the quorum is at the next sync
+            self.healed = False
+            self.manager.start_quorum()
+            if self.healed:
+                on_new_state()
+        try:
+            yield
+        except StepAbandoned:
+            pass
 
-    def commit(self) -> bool:
-        """Whether every group of the quorum finished this step (else no group updates)."""
-        if not self.enabled or self.semi_sync:
-            return True
-        committed = self.manager.should_commit()
-        if not committed:
-            logger.warning("a replica group failed during this step: not committed, the step runs again")
-        return committed
+    def commit(self, optimizers) -> None:
+        """Before the update: every group of the quorum finished this step, or none updates (the
+        gradients are dropped and the step abandoned)."""
+        if not self.enabled or self.semi_sync or self.manager.should_commit():
+            return
+        logger.warning("a replica group failed during this step: not committed, the step runs again")
+        optimizers.zero_grad()
+        raise StepAbandoned
 
-    def sync_groups(self, step: int, last_step: int) -> bool:
-        """local_sgd, after every sync_steps-th step and the last: the quorum of live groups (a
-        group that is behind heals first: True), then their parameters averaged (kept only if no
-        group failed meanwhile)."""
+    def sync(self, step: int, last_step: int, on_new_state: Callable[[], None]) -> None:
+        """local_sgd, after every sync_steps-th step and the last: the quorum of live groups, then
+        their parameters averaged (kept only if no group failed meanwhile). A group that was behind
+        heals first: on_new_state() is called and the step abandoned."""
         if self.local_sgd is None or (step % self.sync_steps and step != last_step):
-            return False
+            return
         self.healed = False
         self.local_sgd.sync()
-        return self.healed
+        if self.healed:
+            on_new_state()
+            raise StepAbandoned
+
+    def tokens_used(self, tokens_per_step: int) -> int:
+        """The tokens of the samples this step's update used: the live groups' shares."""
+        return tokens_per_step * self.participants() // self.groups
 
     def participants(self) -> int:
         """Groups whose samples this step's update used."""

@@ -1,7 +1,7 @@
 """Reading a step's small values (loss, gradient norm, counters) on the host.
 
 A device-to-host copy waits on a GPU for every host copy in flight on any stream: measured on the
-H200 (benchmarks/probe_read_latency.py, docs/performance.md), a 4-byte read issued after a 30 ms step returned
+H200 (benchmarks/probe_read_latency.py), a 4-byte read issued after a 30 ms step returned
 only when a background checkpoint's 10 GB of host copies on a side stream had ended (195 ms),
 whether those copies were issued at once or 256 MB at a time, into pageable or pinned memory. So
 the step after an async save began ran at half speed: its log line's read waited for the save's

@@ -15,13 +15,14 @@ Estimated, the activations kept for backward, per token of a micro-batch on this
     logits       6 bytes x vocab / tp  (bf16 logits and their fp32-sized gradient work)
 
 The coefficient was measured on an H200 for compiled bf16 Llama 3 without activation checkpointing
-(docs/performance.md: 1B and 3B at seq 8192 give ~54 KB per token and layer with ffn 8192); it
-stands for the whole block, attention included, scaled by the feed-forward width a token goes
-through. For an MoE layer that width is its top_k routed experts plus the shared experts: the dense
-fit carried over, not fitted to MoE layers (Qwen3-30B-A3B cut to 4 layers: 54.6 GiB estimated,
-51.6 GiB measured peak in docs/moe.md; `python scripts/estimate_memory.py --world-size 1 -- --config
-configs/qwen3_moe_30b_a3b.toml --model.args n_layers=4`). TP does not split the routed experts (each
-TP rank runs them on the whole sequence, models/moe_plans.py), so that part is not divided by tp;
+(1B and 3B at seq 8192 give ~54 KB per token and layer with ffn 8192; docs/performance.md holds the
+estimates against the measured peaks); it stands for the whole block, attention included, scaled by
+the feed-forward width a token goes through. For an MoE layer that width is its top_k routed experts
+plus the shared experts: the dense fit carried over, not fitted to MoE layers (Qwen3-30B-A3B cut to
+4 layers: 54.6 GiB estimated, 51.6 GiB measured peak in docs/moe.md; `python
+scripts/estimate_memory.py --world-size 1 -- --config configs/qwen3_moe_30b_a3b.toml --model.args
+n_layers=4`). TP does not split the routed experts (each TP rank runs them on the whole sequence,
+models/moe_plans.py), so that part is not divided by tp;
 EP sends routed tokens to other ranks, but on balanced routing a rank receives as many as it
 sends, so nothing depends on ep. Full activation checkpointing keeps only each block's input plus
 one block's activations. Check the estimate against a measured peak before relying on it.

@@ -71,11 +71,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def check_fresh_record(dump_folder: Path, resumed: bool) -> None:
-    """A run that does not continue from a checkpoint must not add its records to another run's
-    (metrics.jsonl would hold two runs' steps, tb/ two event files)."""
+def check_fresh_record(dump_folder: Path, continued: bool) -> None:
+    """A run that does not continue from a checkpoint (or, a replica group of fault tolerance, its
+    own records after a restart) must not add its records to another run's (metrics.jsonl would
+    hold two runs' steps, tb/ two event files)."""
     record = dump_folder / "metrics.jsonl"
-    if not resumed and record.exists() and record.stat().st_size > 0:
+    if not continued and record.exists() and record.stat().st_size > 0:
         raise UserError(
             f"job.dump_folder '{dump_folder}' already holds a run (metrics.jsonl) and there is no "
             "checkpoint of it to continue (checkpoint.enable); choose a new job.dump_folder or remove "

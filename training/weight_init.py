@@ -16,15 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallelisms.tied_weights import retie, tied_parameter_names
-
-# Names that wrappers (torch.compile, activation checkpointing) insert into parameter names.
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
-
-
-def original_name(fqn: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
+from parallelisms.wrapper_names import original_name
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -11,7 +11,7 @@ not copied yet (a pre-hook on every optimizer; _OverlappedCopies). (torch's Defa
 alike but fails on torch 2.11 with `KeyError: <class 'type'>` on this state.)
 
 On Linux all buffers are views of one `HostArena`: a memory file (memfd) that the writer process
-(checkpoint/writer_process.py) maps too, so handing a save to it copies nothing, and whose
+(checkpoint/fast_io/writer_process.py) maps too, so handing a save to it copies nothing, and whose
 size /dev/shm's limit does not cap. On a GPU it is page-locked in place (cudaHostRegister) after
 its pages were touched by several threads: locking is what made the allocation slow (torch's
 default pinned allocator locks ~1.6 GB/s on the H200).

@@ -3,9 +3,9 @@
 Writing a save is Python-heavy (DCP plans and serializes record by record). In a thread of the
 training process that work holds the GIL, which the training thread retakes at every kernel
 launch: on the H200, the steps while a thread wrote a 1B save ran at 41-54% of their speed
-(docs/performance.md). Here each rank has one writer process for the run (started with it, so that
+(docs/checkpointing.md). Here each rank has one writer process for the run (started with it, so that
 it has imported torch by the first save; given the host buffers once they exist, after the first
-optimizer step), which maps the buffers of the staged state (checkpoint/staging.HostArena) and
+optimizer step), which maps the buffers of the staged state (checkpoint/fast_io/staging.HostArena) and
 runs the same DCP save with the same storage writer and planner as a blocking save. Per save the
 training process sends only the state's structure with each tensor named by its place in the
 arena; the writer answers with its files' checksums (or what went wrong), and the training process
@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from checkpoint.staging import Stager, arena_view, map_leaves
+from checkpoint.fast_io.staging import Stager, arena_view, map_leaves
 
 logger = logging.getLogger(__name__)
-REPOSITORY = Path(__file__).resolve().parents[1]
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +112,8 @@ class WriterProcess:
     def __init__(self, rank: int, world_size: int, group_prefix: str):
         ours, theirs = socket.socketpair()
         self.connection = Connection(ours.detach())
-        command = [sys.executable, "-m", "checkpoint.writer_process", str(theirs.fileno()), str(os.getpid()),
-                   group_prefix]  # fmt: skip
+        command = [sys.executable, "-m", "checkpoint.fast_io.writer_process", str(theirs.fileno()),
+                   str(os.getpid()), group_prefix]  # fmt: skip
         environment = dict(
             os.environ,
             RANK=str(rank),
@@ -220,7 +220,7 @@ def _receive(connection: Connection):
 def main(connection_fd: int, parent: int, group_prefix: str) -> None:
     import mmap
 
-    from checkpoint.writing import write_files
+    from checkpoint.fast_io.writing import write_files
 
     _die_with_parent(parent)
     connection = Connection(connection_fd)
@@ -246,7 +246,7 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     # This module imported under its own name: the parent's InArena values unpickle as that one's.
-    from checkpoint import writer_process
+    from checkpoint.fast_io import writer_process
 
     writer_process.main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
     gc.freeze()  # exit without walking every object for cycles (~1 s with torch loaded; train.py alike)

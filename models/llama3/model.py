@@ -80,7 +80,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x * (c, c) + (x[2i+1], x[2i]) * (-s, s), one element-wise expression over head_dim, rather
     than rotating each pair's even and odd elements and stacking them back: the same float32
     products and sums, but a compiled kernel 17% faster, and up to 1.9x when inductor tiles in
-    two dimensions (docs/performance.md, "The card at its power limit; RoPE without the stack").
+    two dimensions (benchmarks/benchmark_rope.py).
     """
     cos = cos.repeat_interleave(2, dim=-1).unsqueeze(-2)  # (seq, 1, head_dim): over heads
     sin = torch.stack((-sin, sin), dim=-1).flatten(-2).unsqueeze(-2)

@@ -1,0 +1,128 @@
+"""How a checkpoint's bytes reach the disk and come back: the interface that saving and loading use,
+and the plain path behind it, torch's own DCP machinery (`checkpoint.fast_io = false`).
+
+A storage does four things for checkpoint/saving.py and checkpoint/loading.py:
+    write(state, folder, stage)  a blocking save of this rank's share of state into folder
+    write_later(state, folder)   an async save: copies state off the tensors training changes (on
+                                 the training thread) and returns the write, which the background
+                                 thread then runs
+    reader(folder)               the DCP storage reader that a load reads folder with
+    before_state_changes()       something other than the optimizer is about to change the state
+and close() at the end of the run. A write returns this rank's files' checksums
+(checkpoint/integrity.py) or what went wrong, and the seconds it spent reading files back for them.
+
+PlainDCP: dcp.save through FileSystemWriter, async saves staged by DCP's BlockingAsyncStager
+(fresh host memory each save) and written by a thread, loads through FileSystemReader; each rank's
+files are checksummed by reading them back after the write. FastIO (checkpoint/fast_io/) writes
+the same format faster; each reads what the other wrote.
+"""
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+from checkpoint import integrity
+from configs.errors import first_line
+from configs.schema import Checkpoint
+
+Written = tuple[dict | str, float]  # (this rank's files' checksums, or why the write failed; seconds)
+
+
+class PlainDCP:
+    """checkpoint.fast_io = false: DCP's FileSystemWriter and FileSystemReader, nothing of ours."""
+
+    writer_name = "writer thread"
+
+    def __init__(self, config: Checkpoint, rank: int, group=None):
+        """group: the process group of writes in the background (async saves)."""
+        self.threads, self.rank, self.group = config.writer_threads, rank, group
+        self.stager = BlockingAsyncStager()  # (a host copy per save: its cached form needs a GPU)
+
+    def write(self, state: dict, folder: Path, stage: bool = True) -> Written:
+        writer = FileSystemWriter(str(folder), thread_count=self.threads)
+        return save_files(state, folder, self.rank, writer)
+
+    def write_later(self, state: dict, folder: Path) -> Callable[[], Written]:
+        staged = self.stager.stage(state)
+        writer = FileSystemWriter(str(folder), thread_count=self.threads)
+        return lambda: save_files(staged, folder, self.rank, writer, process_group=self.group)
+
+    def reader(self, folder: Path) -> StorageReader:
+        return FileSystemReader(str(folder))
+
+    def before_state_changes(self) -> None:
+        """Nothing: write_later's copy is complete when it returns."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def save_files(
+    state: dict, folder: Path, rank: int, writer: StorageWriter, planner: SavePlanner | None = None,
+    process_group=None,
+) -> Written:  # fmt: skip
+    """dcp.save of state into folder through writer: this rank's files' checksums (those the writer
+    took as it wrote, in `writer.fs.checksums`, the others read back) or what went wrong, and the
+    seconds spent reading files back."""
+    try:
+        with writer_thread_errors() as errors:
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+        if errors:
+            return describe(errors[0]) + low_disk_note(folder), 0.0
+        own = dict(getattr(getattr(writer, "fs", None), "checksums", {}))
+        start = time.perf_counter()
+        own.update(integrity.checksum([p for p in integrity.own_files(folder, rank) if p.name not in own]))
+        return own, time.perf_counter() - start
+    except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
+        return describe(e) + low_disk_note(folder), 0.0
+
+
+@contextlib.contextmanager
+def writer_thread_errors():
+    """DCP's extra writer threads (FileSystemWriter thread_count > 1) report a failed write only by
+    printing a traceback, and the save then completes without their files (torch 2.11-2.13). Collect
+    their exceptions instead, so that the caller fails the save with the cause."""
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+
+    def collect(args) -> None:
+        if args.thread is not None and "_write_files_from_queue" in args.thread.name:
+            errors.append(args.exc_value)
+        else:
+            previous(args)
+
+    threading.excepthook = collect
+    try:
+        yield errors
+    finally:
+        threading.excepthook = previous
+
+
+def low_disk_note(folder) -> str:
+    """ " (its disk has N GB free)" when the disk holding `folder` is nearly full, else "": torch's
+    writers report a full disk in words that do not say so (e.g. "unexpected pos 704 vs 598")."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" (its disk has {free / 1e9:.1f} GB free)" if free < 2**30 else ""
+
+
+def describe(error: BaseException) -> str:
+    """Why a write failed, in a few words: the OS error (e.g. "No space left on device") and its
+    file, found inside DCP's CheckpointException, which wraps each rank's failure."""
+    failures = getattr(error, "failures", None)  # CheckpointException: {rank: exception or (exc, tb)}
+    if failures:
+        error = next(iter(failures.values()))
+        error = error[0] if isinstance(error, tuple) else error
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror + (f" ({error.filename})" if error.filename else "")
+    return f"{type(error).__name__}: {first_line(error)}"
