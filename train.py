@@ -133,7 +133,7 @@ def train(config: JobConfig) -> int:
     train_state = TrainState(model=TrainState.describe(model.spec.name, model.args))
     checkpointer = Checkpointer(
         config.checkpoint, dump_folder, model.parts, optimizers, dataloader, train_state,
-        model.spec.state_dict_adapter(model.args), config.training.steps,
+        model.spec.adapter(model.args), config.training.steps,
         saves_here=fault_tolerance.writes_checkpoints,  # with fault tolerance one replica group saves
     )  # fmt: skip
     resumed = checkpointer.load()

@@ -34,6 +34,13 @@ SHARD_BYTES = 5 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
+def require(adapter: StateDictAdapter | None) -> StateDictAdapter:
+    """The family's adapter; a family without one (ModelSpec.state_dict_adapter None) is refused."""
+    if adapter is None:
+        raise UserError("this model family has no Hugging Face adapter (ModelSpec.state_dict_adapter)")
+    return adapter
+
+
 def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 

@@ -130,7 +130,7 @@ def load_initial_weights(
     if not path.exists():
         raise UserError(f"checkpoint.initial_load_path '{path}' does not exist")
     if hf.is_hf_folder(path):
-        hf.load_into(model_parts, adapter, path)
+        hf.load_into(model_parts, hf.require(adapter), path)
     elif not (path / ".metadata").is_file():
         raise UserError(_neither_weights_message(path))
     else:

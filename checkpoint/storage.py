@@ -93,11 +93,11 @@ def writer_thread_errors():
     errors: list[BaseException] = []
     previous = threading.excepthook
 
-    def collect(args) -> None:
-        if args.thread is not None and "_write_files_from_queue" in args.thread.name:
-            errors.append(args.exc_value)
+    def collect(failure) -> None:
+        if failure.thread is not None and "_write_files_from_queue" in failure.thread.name:
+            errors.append(failure.exc_value)
         else:
-            previous(args)
+            previous(failure)
 
     threading.excepthook = collect
     try:

@@ -2,10 +2,13 @@
 
 A family is a folder under models/ whose __init__.py defines `spec = ModelSpec(...)`, registered by
 one line in models/__init__.py. parallelisms/, training/ and checkpoint/ rely on what this file
-writes down and on nothing else of a model: the model class (`TrainableModel`), the names of the
-modules around its blocks (`head`, `tail`), its tensor-parallel plan, its Hugging Face adapter, and
-its Mixture-of-Experts layers, which are `models.moe.MoE` modules wherever they sit (found with
-`models.moe.moe_layers(model)`; their buffers and load balancing are described there).
+writes down and on nothing else of a model: the model class (`TrainableModel`), the few fields of
+its args dataclass in ARGS_READ_OUTSIDE_MODELS, the names of the modules around its blocks (`head`,
+`tail`), its tensor-parallel plan and its Hugging Face adapter (both optional), and its
+Mixture-of-Experts layers, which are `models.moe.MoE` modules wherever they sit (found with
+`models.moe.moe_layers(model)`; their args, buffers and load balancing are described there).
+Every other name inside a family is its own (tests/test_model_contract.py trains a family that
+shares no other name with the shipped ones).
 """
 
 import dataclasses
@@ -23,13 +26,24 @@ from configs import UserError
 from configs.loader import parse_scalar
 from models.moe import MOE_OPTIONS
 
+# The fields of a family's args dataclass that code outside models/ reads, and what for; every
+# other field is the family's own. A family whose args lack a required one is refused by name.
+ARGS_READ_OUTSIDE_MODELS = {
+    "vocab_size": "the vocabulary size; 0 = the tokenizer's, rounded up to a multiple of 64 (model_args)",
+    "max_seq_len": "set to training.seq_len for each run (model_args); it may change on resume",
+    "dim": "the hidden size: the memory estimate's block inputs (training/memory_estimate.py)",
+    "ffn_hidden_dim": "the feed-forward width of a block without a models.moe.MoE layer, for the memory "
+    "estimate; a family whose blocks all have one need not define it",
+}
+REQUIRED_ARGS = ("vocab_size", "max_seq_len", "dim")
+
 
 class TrainableModel(Protocol):
     """What `spec.model_cls(args)` builds (plain PyTorch, no distributed code).
 
-    The args are a dataclass with at least `vocab_size` (0 = the tokenizer's) and `max_seq_len`
-    (set to training.seq_len); its __post_init__ raises ValueError for shapes that cannot build a
-    model (a run reports it as one error line before anything is built or written).
+    The args are a dataclass with the fields of ARGS_READ_OUTSIDE_MODELS; its __post_init__ raises
+    ValueError for shapes that cannot build a model (a run reports it as one error line before
+    anything is built or written).
     """
 
     layers: nn.ModuleDict
@@ -82,14 +96,20 @@ class ModelSpec:
     head: tuple[str, ...]
     """Modules that run before the blocks (the embedding): only the first pipeline stage holds them."""
     tail: tuple[str, ...]
-    """Modules that run after the blocks (final norm, output projection): only the last stage."""
+    """Modules that run after the blocks (final norm, output projection): only the last stage holds
+    them (the memory estimate counts the logits' memory on the rank that does)."""
     state_dict_adapter: Any = None
-    """adapter(args): a models.hf_adapter.StateDictAdapter (Hugging Face names, layout, config.json)."""
+    """adapter(args): a models.hf_adapter.StateDictAdapter (Hugging Face names, layout, config.json);
+    None: no Hugging Face import or export for this family."""
     tensor_parallel_plan: Callable[[Any, bool], TensorParallelPlan] | None = None
     """plan(args, loss_parallel): how tensor parallelism splits the model (None: not supported).
     With loss_parallel the output projection must leave the logits sharded over the vocabulary."""
     tensor_parallel_sizes: Callable[[Any], dict[str, int]] | None = None
     """sizes(args) -> {what: size} that the tensor-parallel degree must divide."""
+
+    def adapter(self, args: Any) -> Any:
+        """The Hugging Face adapter for these args, or None if the family has none."""
+        return self.state_dict_adapter(args) if self.state_dict_adapter is not None else None
 
 
 def model_args(
@@ -97,6 +117,13 @@ def model_args(
 ) -> Any:
     """The flavor's args for this run: model.args changes applied, RoPE table of seq_len, vocabulary
     checked against the tokenizer."""
+    missing = [name for name in REQUIRED_ARGS if not hasattr(spec.flavors[flavor], name)]
+    if missing:
+        raise UserError(
+            f"model {spec.name}: its args ({type(spec.flavors[flavor]).__name__}) have no "
+            f"{', '.join(missing)}, which code outside models/ reads (models/spec.py, "
+            "ARGS_READ_OUTSIDE_MODELS)"
+        )
     try:  # the args dataclass refuses impossible shapes in __post_init__ (ValueError)
         args = _with_changes(spec.flavors[flavor], changes)
         vocab_size = args.vocab_size or -(-tokenizer_vocab_size // 64) * 64

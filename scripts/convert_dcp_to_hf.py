@@ -45,7 +45,7 @@ def convert(args: argparse.Namespace) -> None:
             )
     except (Exception, dcp.CheckpointException) as e:
         raise UserError(f"cannot read the model from {checkpoint}: {first_line(e)}") from None
-    adapter = spec.state_dict_adapter(model_args)
+    adapter = hf.require(spec.adapter(model_args))
     hf.save(state, adapter, output, getattr(torch, args.dtype), config.model.hf_assets_path)
     print(f"wrote {output}")
 

@@ -32,7 +32,7 @@ def convert(args: argparse.Namespace) -> None:
     spec, model_args, model = build_meta_model(load_run_config(args.config, None))
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    state = hf.read_full(source, spec.state_dict_adapter(model_args), shapes, dtype)
+    state = hf.read_full(source, hf.require(spec.adapter(model_args)), shapes, dtype)
     with one_process_dcp():
         dcp.save({"model": state}, checkpoint_id=str(output))
     integrity.record(output)

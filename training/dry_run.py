@@ -29,7 +29,7 @@ def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
     mesh = dims.build_mesh("cpu")
     model = build_model(config, dims, mesh, torch.device("cpu"), initialize=False)
     global_batch, accumulation = plan_batches(config.training, dims.dp)
-    estimate = memory_estimate.for_config(config, dims, model.parts, model.args)
+    estimate = memory_estimate.for_config(config, dims, model.parts, model.args, model.spec.tail)
     logger.info(
         f"dry run of {model.spec.name} {config.model.flavor} ({model.num_params:,} parameters): "
         f"{dims.describe()}"

@@ -78,6 +78,11 @@ def block_activation_bytes(block: nn.Module, args, tp: int) -> float:
     """Bytes per token a block keeps for backward (no checkpointing), see the module docstring."""
     moe = next(iter(moe_layers(block).values()), None)
     if moe is None:
+        if not hasattr(args, "ffn_hidden_dim"):
+            raise UserError(
+                f"{type(args).__name__} has no ffn_hidden_dim, the feed-forward width of its blocks "
+                "without experts, which the memory estimate reads (models/spec.py, ARGS_READ_OUTSIDE_MODELS)"
+            )
         return ACTIVATION_BYTES_PER_FFN * args.ffn_hidden_dim / tp
     width = moe.args.top_k * moe.args.expert_hidden_dim + moe.args.shared_hidden_dim / tp
     return ACTIVATION_BYTES_PER_FFN * width
@@ -92,11 +97,14 @@ def estimate(
     ac_mode: str,
     in_flight_micro_batches: int = 1,
     ep: int = 1,
+    *,
+    tail: tuple[str, ...],
 ) -> MemoryEstimate:
     """tokens_per_micro_batch: this rank's (local batch x local sequence length); fsdp_ranks: the
     ranks FSDP shards each block over (dp_shard x cp), 0 without FSDP; ep: the expert-parallel
     degree; with pipeline parallelism 1F1B keeps up to pp micro-batches in flight
-    (in_flight_micro_batches)."""
+    (in_flight_micro_batches); tail: the modules after the blocks (ModelSpec.tail), whose holder
+    keeps the logits."""
     local = sum(local_numel(p) for part in model_parts for p in part.parameters())
     blocks = [block for part in model_parts for block in part.layers.values()]
     block_gathered = max((gathered_numel(block, fsdp_ranks, ep) for block in blocks), default=0)
@@ -105,8 +113,8 @@ def estimate(
         per_token = len(blocks) * 2 * args.dim + max(per_layer, default=0)
     else:
         per_token = sum(per_layer)
-    has_output = any(getattr(part, "output", None) is not None for part in model_parts)
-    per_token += 6 * args.vocab_size / tp if has_output else 0
+    holds_tail = any(getattr(part, name, None) is not None for part in model_parts for name in tail)
+    per_token += 6 * args.vocab_size / tp if holds_tail else 0
     activations = per_token * tokens_per_micro_batch * in_flight_micro_batches
     return MemoryEstimate(
         parameters=local,
@@ -118,13 +126,14 @@ def estimate(
     )
 
 
-def for_config(config, dims, model_parts: list[nn.Module], args) -> MemoryEstimate:
-    """The estimate for this rank of a run: its parts, its micro-batch, its layout."""
+def for_config(config, dims, model_parts: list[nn.Module], args, tail: tuple[str, ...]) -> MemoryEstimate:
+    """The estimate for this rank of a run: its parts, its micro-batch, its layout; tail: the
+    family's ModelSpec.tail."""
     tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
     in_flight = dims.pp if dims.pp_enabled else 1
     fsdp_ranks = dims.dp_shard * dims.cp if dims.fsdp_enabled else 0
     return estimate(model_parts, args, tokens, dims.tp, fsdp_ranks,
-                    config.activation_checkpoint.mode, in_flight, dims.ep)  # fmt: skip
+                    config.activation_checkpoint.mode, in_flight, dims.ep, tail=tail)  # fmt: skip
 
 
 def check_fits(estimate: MemoryEstimate, device: torch.device, local_processes: int) -> None:
