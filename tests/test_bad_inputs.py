@@ -272,6 +272,7 @@ def test_each_mistake_gives_one_clear_error_and_harms_nothing(files, tmp_path):
     assert not [p for p in tmp_path.rglob("*.partial")] and not [p for p in root.rglob("*.partial")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, expected",
     [

@@ -76,6 +76,7 @@ def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
         assert record["sample_ids"] == want[step]["sample_ids"] == list(range((step - 1) * 8, step * 8)), step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "source, nproc, overrides",
     [
@@ -107,6 +108,7 @@ def logged_steps(folder: Path) -> list[int]:
     return [json.loads(line)["step"] for line in lines if line.endswith("}")]
 
 
+@pytest.mark.slow
 def test_kill_9_and_rerun_resumes_bitwise_and_logs_each_step_once(tmp_path):
     """kill -9 a 2-rank run saving in the background every 10 steps, after it logged steps past
     its first checkpoint (maybe during a save); the same command finishes it from the latest
@@ -209,6 +211,7 @@ def checksums(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.distcp"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer", ["process", "thread"])
 def test_async_save_writes_the_same_bytes_as_sync(writer, reference, tmp_path):
     """The reference saves with O_DIRECT (checkpoint.direct_io, default), this run through the page
@@ -367,6 +370,7 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_writers_agree_when_one_rank_has_no_shared_memory(tmp_path):
     """If one rank gets no shared memory for its host buffers (it writes from a thread), every rank
     writes from a thread: a writer process saving alongside would wait for that rank's writer."""
@@ -516,6 +520,7 @@ def test_keep_latest_k_deletes_only_complete_old_checkpoints(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, exit_code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "Ctrl-C"]
 )
@@ -544,6 +549,7 @@ def error_line(result) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_is_refused_by_every_rank_and_kept(sources, tmp_path):
     """4 KiB flipped in rank 1's file (same size): rank 1 finds it, both ranks stop before loading."""
     folder = resume_from(sources["fsdp2"], tmp_path)
@@ -592,6 +598,7 @@ filesystem._write_item = failing_write_item
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 def test_failed_save_stops_every_rank_with_one_error_and_keeps_the_last(mode, tmp_path, monkeypatch):
     """Rank 1 cannot write step-10 (ENOSPC): both ranks stop with one error line naming the
@@ -665,6 +672,7 @@ def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(reference, tm
     assert (folder / "checkpoint" / "step-10.abandoned" / ".metadata").is_file()
 
 
+@pytest.mark.slow
 def test_model_only_last_save_starts_a_new_run_but_cannot_continue_one(tmp_path):
     first = tmp_path / "first"
     run_train([*COMMON, *SINGLE, "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16",
@@ -712,6 +720,7 @@ def launch_and_stop(command: list[str], env: dict, folder: Path, sig: signal.Sig
     return code
 
 
+@pytest.mark.slow
 def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     """SIGTERM to scripts/multinode.sh, then SIGUSR1 (Slurm's notice) to the task of
     scripts/slurm.sbatch under a fake Slurm, 2 ranks each, the same train.py arguments: each time
@@ -742,6 +751,7 @@ def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
     assert [r["step"] for r in read_metrics(folder)] == list(range(1, saved[1] + 1))
 
 
+@pytest.mark.slow
 def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
     """Saved at EP 4, resumed at EP 2 and in one process: the uninterrupted EP 4 run's losses (the
     stacked experts and their biases reshard like any parameter; EP against one process is
@@ -761,6 +771,7 @@ def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
         assert_continues(folder, ep4, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_plain_and_fast_paths_resume_from_each_others_checkpoints(reference, tmp_path):
     """checkpoint.fast_io = false saves through DCP's own writer (here async: DCP's stager, a
     writer thread) with checksums read back; the fast path resumes from its checkpoint, and the

@@ -10,6 +10,7 @@ from conftest import REPO, TINY, run_train
 
 from configs import JobConfig, UserError, config_to_toml, load_config
 from configs.docs import BEGIN, END, PAGE, configuration_page, field_docs, reference_markdown
+from models import check_flavor, get_model_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -109,7 +110,15 @@ def test_resolved_config_round_trips(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
 def test_shipped_configs_load(name):
-    load_config(["--config", str(REPO / "configs" / name)])
+    """Every recipe loads with each key it sets in effect, and names a registered model flavor."""
+    path = REPO / "configs" / name
+    config = load_config(["--config", str(path)])
+    written = tomllib.loads(path.read_text())
+    assert written, f"{name} sets nothing"
+    for section, keys in written.items():
+        for key, value in keys.items():
+            assert getattr(getattr(config, section), key) == value, f"{name}: [{section}] {key}"
+    check_flavor(get_model_spec(config.model.name), config.model.flavor)
 
 
 def test_every_key_is_documented():

@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import REPO, TINY, read_metrics, run_train
 
@@ -122,6 +123,7 @@ def launch(folder: Path, steps: int, extra: dict, *args: str) -> subprocess.Pope
     )
 
 
+@pytest.mark.slow
 def test_two_replica_groups_equal_fsdp_2(tmp_path):
     """Two groups of one process each (both needed for a quorum) log the losses and grad norms of
     one FSDP 2 run with the same global batch (and its validation losses): the groups read its two
@@ -150,6 +152,7 @@ def test_two_replica_groups_equal_fsdp_2(tmp_path):
     assert logs.count("saved checkpoint") == 2
 
 
+@pytest.mark.slow
 def test_killed_group_is_left_behind_and_heals_from_the_live_one(tmp_path):
     """Group 1 is SIGKILLed in the middle of the 20th step both groups take: group 0 does not commit
     that step and goes on alone (no restart, every step logged once from its first; a group that
@@ -176,6 +179,7 @@ def test_killed_group_is_left_behind_and_heals_from_the_live_one(tmp_path):
     assert (digests / "replica_0").read_text() == (digests / "replica_1").read_text()
 
 
+@pytest.mark.slow
 def test_local_sgd_groups_train_alone_and_hold_the_same_weights_after_each_sync(tmp_path):
     """semi_sync_method local_sgd, a sync every 4 of 10 steps (and after the last): each group trains
     on its own samples (its loss is its own, normalized by its tokens), right after every sync both

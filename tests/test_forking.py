@@ -27,6 +27,7 @@ def fork(tmp_path):
     return repo
 
 
+@pytest.mark.slow
 def test_forked_model_trains_under_fsdp_and_tp(tmp_path):
     repo = fork(tmp_path)
     assert "LayerNorm" in (repo / "models/mymodel/model.py").read_text()

@@ -78,6 +78,7 @@ def tiny_state() -> dict[str, torch.Tensor]:
     return {name: torch.empty(p.shape) for name, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_export_then_import_gives_back_the_same_weights(trained, tmp_path):
     hf_folder = trained / "hf"
     assert (hf_folder / "model.safetensors.index.json").is_file()
@@ -97,6 +98,7 @@ def test_export_then_import_gives_back_the_same_weights(trained, tmp_path):
         assert torch.equal(original[name], round_trip[name]), name
 
 
+@pytest.mark.slow
 def test_training_starts_from_hf_weights_on_any_layout(trained, tmp_path):
     losses = {}
     for name, nproc, local in [("single", None, "8"), ("fsdp2", 2, "4")]:

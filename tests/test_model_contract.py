@@ -125,6 +125,7 @@ def repository(tmp_path_factory):
 MINIMAL = [*TINY, "--model.name", "minimal"]
 
 
+@pytest.mark.slow
 def test_a_family_written_to_the_contract_dry_runs_estimates_and_trains(repository, tmp_path):
     dry = run_train(
         [*MINIMAL, "--job.dry_run", "--job.dry_run_world_size", "4"], repo=repository, cwd=repository

@@ -91,6 +91,7 @@ def test_grouped_gemm_is_used_only_where_torch_runs_it():
     assert not grouped_experts.grouped_mm_runs(tokens[:, :15], *weights)  # 60-byte rows: not aligned
 
 
+@pytest.mark.slow
 def test_layer_compiles_as_one_graph_where_the_loop_runs():
     """fp32 under torch.compile takes the loop (torch._grouped_mm compiles in bf16 only); blocks are
     compiled with fullgraph, which the loop's custom ops keep possible. Same values as eager."""
@@ -362,6 +363,7 @@ def test_every_block_has_one_moe_layer_with_seeded_full_expert_tensors():
     assert "layers.0.moe.tokens_per_expert" not in model.state_dict()
 
 
+@pytest.mark.slow
 def test_debug_flavor_trains(tmp_path):
     run = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel", "--training.steps", "8"]
     run_train([*TINY, *run, "--checkpoint.enable", "--job.dump_folder", str(tmp_path)])

@@ -78,6 +78,7 @@ def validated_single(tmp_path_factory):
     return console, read_metrics(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, overrides",
     # (data parallel: tests/test_fault_tolerance.py compares validation across FSDP 2 and replica groups)
@@ -185,6 +186,7 @@ def test_plot_metrics_draws_runs(tmp_path):
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_multinode_launcher_runs_one_node(tmp_path):
     env = dict(os.environ, NNODES="1", NPROC_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517",
                OMP_NUM_THREADS="1")  # fmt: skip
@@ -195,6 +197,7 @@ def test_multinode_launcher_runs_one_node(tmp_path):
     assert len(read_metrics(tmp_path)) == 6
 
 
+@pytest.mark.slow
 def test_slurm_script_trains_with_its_arguments(tmp_path):
     args = [
         *TINY,
@@ -212,6 +215,7 @@ def test_slurm_script_trains_with_its_arguments(tmp_path):
     assert "dp_shard 2" in result.stdout  # torchrun started one rank per GPU Slurm gave the node
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_layout_without_training(tmp_path):
     result = run_train(["--config", str(REPO / "configs/llama3_8b.toml"), "--job.dry_run",
                         "--job.dry_run_world_size", "16", "--parallelism.tensor_parallel_degree", "2",

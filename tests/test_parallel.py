@@ -151,6 +151,7 @@ CRASH_SIGNS = ("SIGSEGV", "Segmentation fault", "did not end within", "Connectio
                "Connection reset by peer")  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, layout", CASES, ids=[f"{m}-{layout}" for m, layout in CASES])
 def test_layout_matches_single_process(model, layout, references, tmp_path):
     processes, overrides = LAYOUTS[layout][0], LAYOUTS[layout][1].split()
@@ -166,6 +167,7 @@ def test_layout_matches_single_process(model, layout, references, tmp_path):
     assert_parity(read_metrics(Path(run[-1])), references(model, overrides))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks, overrides, groups",
     [(2, [], 5), (1, [], 5), (2, ["--model.name", "qwen3_moe", EP, "2"], 3)],

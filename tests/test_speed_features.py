@@ -59,6 +59,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "nproc, overrides",
     [
@@ -107,6 +108,7 @@ def test_recompile_watch_counts_fullgraph_recompilations():
     assert watch.calls["train"] == 4 and watch.recompiled == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode", [["full"], ["selective", "--activation_checkpoint.selective_ac_option", "op"],
              ["selective", "--activation_checkpoint.selective_ac_option", "2"]],
@@ -145,6 +147,7 @@ def test_checkpointed_and_compiled_blocks_save_under_the_plain_names():
     assert names[0] == names[1] and any("exp_avg" in name for name in names[0][1])
 
 
+@pytest.mark.slow
 def test_float8_tracks_full_precision_over_100_steps(tmp_path):
     """torchao float8 (emulated on CPU) against float32 on the same data: the loss over the last 50
     of 100 steps (one step's loss is too noisy at this size) within 1% (measured: 0.11%; the 300-step
@@ -158,6 +161,7 @@ def test_float8_tracks_full_precision_over_100_steps(tmp_path):
     assert sum(fp8[-50:]) / 50 == pytest.approx(sum(full[-50:]) / 50, rel=0.01)
 
 
+@pytest.mark.slow
 def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, model="llama3"):
     """float8 under FSDP 2 x TP 2 with FSDP's float8 all-gather and precomputed scales tracks the
     single process's float8 run (TP shards the weights; the scales are the whole tensors')."""
@@ -174,6 +178,7 @@ def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, mod
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [

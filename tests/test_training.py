@@ -220,6 +220,7 @@ def test_float8_layers_compute_on_bf16_copies():
         assert torch.equal(bf16_copy, weight.detach().to(torch.bfloat16))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     runs = {}
     for local in (4, 1):  # accumulation 1 and 4
@@ -262,6 +263,7 @@ def test_metrics_records(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_torchrun_single_process_equals_plain_python(tmp_path):
     args = [*TINY, "--training.steps", "8", "--optimizer.lr", "1e-2"]
     run_train([*args, "--job.dump_folder", str(tmp_path / "python")])
@@ -271,6 +273,7 @@ def test_torchrun_single_process_equals_plain_python(tmp_path):
     assert launched[-1]["loss"] < launched[0]["loss"] - 0.3  # it learns
 
 
+@pytest.mark.slow
 def test_train_py_runs_under_cprofile_and_atexit(tmp_path):
     """train.py returns through sys.exit (no os._exit): atexit handlers run, and cProfile, which
     writes its file after the script returns, works."""
