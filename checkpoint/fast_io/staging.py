@@ -266,8 +266,8 @@ class _OverlappedCopies:
 
         The snapshots are made on the side stream, so the CUDA cache gives them the side stream's
         memory (which it keeps for the next saves' snapshots), never the training stream's free
-        blocks: those are the next step's activations. (Made on the training stream, as before
-        2026-12-02, they took those blocks and the next step grew the cache: slowly with expandable
+        blocks: those are the next step's activations. (Made on the training stream, as an
+        earlier version did, they took those blocks and the next step grew the cache: slowly with expandable
         segments, measured on the H200 with compiled Llama 3 1B as that step at 56-79%; and near
         the memory limit it could have run out.) Device memory the snapshots newly take leaves
         SPARE_BYTES free; the rest is copied straight. The update waits on the GPU for all of it."""
