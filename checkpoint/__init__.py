@@ -1,3 +1,4 @@
-"""Distributed checkpointing: saving and resuming on any layout (manager.py), what a checkpoint holds
-(state.py), the checksums that keep a damaged one from loading (integrity.py), Hugging Face files in
-and out (hf.py). docs/checkpointing.md explains the format."""
+"""Distributed checkpointing: the Checkpointer train.py holds (manager.py), saving (saving.py) and
+resuming (loading.py) on any layout through one storage interface (storage.py: plain DCP; fast_io/:
+the fast path), what a checkpoint holds (state.py), the checksums that keep a damaged one from
+loading (integrity.py), Hugging Face files in and out (hf.py). docs/checkpointing.md explains it."""
