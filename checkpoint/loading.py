@@ -50,16 +50,16 @@ def latest_step(config: Checkpoint, folder: Path) -> tuple[int | None, str]:
         raise UserError(f"checkpoint.load_step {step}: no complete checkpoint step-{step} in {folder}")
     earlier = [s for s in steps if s < step]
     hint = f"; to resume from an earlier one: --checkpoint.load_step {earlier[-1]}" if earlier else ""
-    if dist.get_rank() == 0:
-        set_aside(folder, [s for s in steps if s > step], step)
     return step, hint
 
 
-def set_aside(folder: Path, later: list[int], step: int) -> None:
-    """A run resumed from an earlier step (checkpoint.load_step) than the latest checkpoint: the
-    later ones are renamed step-N.abandoned, so that the next resume continues this run,
+def set_aside_later(folder: Path, step: int) -> None:
+    """After a resume from an earlier step (checkpoint.load_step) than the latest checkpoint, rank 0
+    renames the later ones step-N.abandoned, so that the next resume continues this run,
     keep_latest_k never counts them, and this run's own saves of those steps replace nothing."""
-    for later_step in later:
+    if dist.get_rank() != 0:
+        return
+    for later_step in [s for s in complete_steps(folder) if s > step]:
         source = folder / f"step-{later_step}"
         target, n = folder / f"step-{later_step}.abandoned", 1
         while target.exists():  # (set aside before, by an earlier rollback)

@@ -66,6 +66,7 @@ class Checkpointer:
             path = self.path(step)
             reader = self.storage.reader(path)
             loading.resume(path, self.checkpointed, parts, reader, self.config.allow_model_change, hint)
+            loading.set_aside_later(self.folder, step)
             return True
         if self.config.initial_load_path:
             loading.load_initial_weights(

@@ -660,7 +660,8 @@ def test_unknown_load_step_is_refused(reference, tmp_path):
 def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(reference, tmp_path):
     """checkpoint.load_step 5 in a folder holding step-5 and step-10: step-10 (the abandoned
     future) is renamed step-10.abandoned, so keep_latest_k keeps this run's own step-8 rather than
-    deleting it for the newer step-10, and the next resume continues this run."""
+    deleting it for the newer step-10, and the next resume continues this run; but only once the
+    resume has succeeded."""
     from checkpoint.saving import complete_steps
 
     folder = tmp_path / "rolled_back"
@@ -670,6 +671,14 @@ def test_resuming_an_earlier_step_sets_the_later_checkpoints_aside(reference, tm
     assert "step-10 renamed step-10.abandoned: this run continues from step 5" in result.stdout
     assert complete_steps(folder / "checkpoint") == [8]
     assert (folder / "checkpoint" / "step-10.abandoned" / ".metadata").is_file()
+    # A rollback that fails (step-5 damaged) sets nothing aside: the run did not continue from it.
+    failed = tmp_path / "failed_rollback"
+    shutil.copytree(reference / "checkpoint", failed / "checkpoint")
+    data = failed / "checkpoint" / "step-5" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-8] + b"\xff" * 8)
+    result = run_train([*COMMON, *SINGLE, *rollback, "--job.dump_folder", str(failed)], check=False)
+    assert result.returncode == 2 and "is damaged" in result.stderr
+    assert complete_steps(failed / "checkpoint") == [5, 10] and not list(failed.rglob("*.abandoned"))
 
 
 @pytest.mark.slow
