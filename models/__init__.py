@@ -13,6 +13,7 @@ MODEL_PACKAGES = {
     "llama3": "models.llama3",
     "qwen3": "models.qwen3",
     "qwen3_moe": "models.qwen3_moe",
+    "deepseek_v3": "models.deepseek_v3",
 }
 
 

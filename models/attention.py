@@ -10,6 +10,7 @@ docs/performance.md); elsewhere it is a boolean tensor for SDPA (flex attention 
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,38 @@ class CausalAttentionKernel(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None = None
     ) -> torch.Tensor:
-        # q: (batch, heads, seq, head_dim); k, v may have fewer heads (GQA).
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return masked_attention(q, k, v, mask)
+        return causal_attention(q, k, v, mask)
+
+
+class LatentAttentionKernel(nn.Module):
+    """Attention whose keys and values the model expands from one small vector per token (DeepSeek's
+    Multi-head Latent Attention): causal attention of q against expand(latent).
+
+    A module of its own so that parallelisms can swap it: context parallelism gathers the latent
+    (e.g. 576 values per token at DeepSeek-V3's shapes, against 128 heads x (192 + 128) for K and
+    V) and expands it on every rank (parallelisms/context_parallel.py).
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        latent: torch.Tensor,
+        expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        """q (batch, heads, seq, head_dim); latent (batch, seq, width); expand(latent) -> K, V
+        (batch, heads, seq, head_dim and value dim, which may differ from head_dim)."""
+        k, v = expand(latent)
+        return causal_attention(q, k, v, mask)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | None
+) -> torch.Tensor:
+    """q: (batch, heads, seq, head_dim); k, v may have fewer heads (GQA); causal without a mask."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return masked_attention(q, k, v, mask)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 from models.grouped_experts import GroupedExperts, local_tensor
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class MoEArgs:
     """Experts form this many equal groups, and a token chooses only among the experts of its
     topk_groups best groups (DeepSeek-V3's node-limited routing); 1: no groups."""
     topk_groups: int = 1
+    group_score: str = "top2_sum"
+    """How groups are ranked: by the sum of their two best experts' (biased) scores ("top2_sum",
+    DeepSeek-V3) or by their best expert's score ("max", DeepSeek-V2's group_limited_greedy)."""
     shared_hidden_dim: int = 0
     """Hidden width of the shared experts, a dense SwiGLU added for every token; 0: none."""
     bias_update_rate: float = 0.0
@@ -67,6 +71,8 @@ class MoEArgs:
             raise ValueError(f"top_k {self.top_k} is more than n_experts {self.n_experts}")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func '{self.score_func}' is not one of {', '.join(SCORE_FUNCS)}")
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score '{self.group_score}' is not one of {', '.join(GROUP_SCORES)}")
         if self.n_expert_groups < 1 or self.n_experts % self.n_expert_groups:
             raise ValueError(
                 f"n_experts {self.n_experts} must be divisible by n_expert_groups {self.n_expert_groups}"
@@ -112,12 +118,17 @@ def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def limit_to_best_groups(choice: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+def limit_to_best_groups(
+    choice: torch.Tensor, n_groups: int, topk_groups: int, group_score: str = "top2_sum"
+) -> torch.Tensor:
     """choice (tokens, n_experts) with -inf for the experts outside each token's topk_groups best
-    groups; a group's score is the sum of its two best experts' (DeepSeek-V3)."""
+    groups; a group's score is the sum of its two best experts' (DeepSeek-V3) or its best one's."""
     tokens, n_experts = choice.shape
     grouped = choice.view(tokens, n_groups, n_experts // n_groups)
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # values: ties harmless
+    if group_score == "max":
+        group_scores = grouped.amax(dim=-1)
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # values: ties harmless
     keep = torch.zeros_like(group_scores, dtype=torch.bool)
     keep.scatter_(-1, top_indices(group_scores, topk_groups), True)
     return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, n_experts)
@@ -131,7 +142,7 @@ def choose_experts(
     output's weights."""
     choice = scores + expert_bias
     if args.n_expert_groups > 1:
-        choice = limit_to_best_groups(choice, args.n_expert_groups, args.topk_groups)
+        choice = limit_to_best_groups(choice, args.n_expert_groups, args.topk_groups, args.group_score)
     experts = top_indices(choice, args.top_k)
     gates = scores.gather(-1, experts)
     if args.renormalize:

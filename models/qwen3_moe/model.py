@@ -37,6 +37,7 @@ class Qwen3MoeArgs:
     route_scale: float = 1.0
     n_expert_groups: int = 1
     topk_groups: int = 1
+    group_score: str = "top2_sum"
     shared_hidden_dim: int = 0
     bias_update_rate: float = 0.0
     aux_loss_coeff: float = 0.0
