@@ -66,6 +66,7 @@ import torch
 from checkpoint.manager import Checkpointer
 from checkpoint.state import TrainState
 from data.loader import build_dataloader, plan_batches
+from models.spec import multi_token_prediction
 from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
 from training import bf16_weights, distributed, profiling
@@ -118,9 +119,10 @@ def train(config: JobConfig) -> int:
     dp_degree, dp_rank = fault_tolerance.data_parallel(dims.dp, mesh["dp"].get_local_rank())
     global_batch, accumulation_steps = plan_batches(config.training, dp_degree)
     tokens_per_step = global_batch * config.training.seq_len
-    dataloader = build_dataloader(
-        config.training, model.tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda"
-    )
+    dataloader = build_dataloader(  # with multi-token prediction each sample holds the tokens ahead too
+        config.training, model.tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda",
+        extra_tokens=multi_token_prediction(model.args)[0],
+    )  # fmt: skip
     validator = Validator(
         config.validation, config.training, model.tokenizer, global_batch, dp_rank, dp_degree
     )
@@ -165,7 +167,7 @@ def train(config: JobConfig) -> int:
         f"{config.training.seq_len} tokens ({config.training.local_batch_size} per micro-batch x "
         f"{dp_degree} data-parallel x {accumulation_steps} accumulation), output in {dump_folder}"
     )
-    gradient_holders = bf16_weights.gradient_holders(model.parts)  # for the gradient norm
+    gradient_holders = step_runner.gradient_holders()  # for the gradient norm
     pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
     nonfinite_guard = NonFiniteGuard(
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
@@ -206,10 +208,11 @@ def train(config: JobConfig) -> int:
                 metrics.first_step_done(step, START_TIME)
             if metrics.due(step):  # the only step-end reads of the device: every log_freq steps
                 nonfinite_guard.check()
-                extra = expert_balance.statistics()
+                loss, extra = step_runner.global_losses(step_loss)  # and each MTP depth's apart
+                extra |= expert_balance.statistics()
                 if config.metrics.log_sample_ids:
                     extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
-                metrics.log(step, step_runner.global_loss(step_loss), read_float(grad_norm), lr, extra)
+                metrics.log(step, loss, read_float(grad_norm), lr, extra)
             if validator.due(step, last_step):
                 with metrics.paused():
                     metrics.log_validation(step, validator.evaluate(step_runner.evaluate))

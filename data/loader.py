@@ -116,7 +116,9 @@ class StepLoader:
 
     def next_step(self) -> list[dict[str, torch.Tensor]]:
         """The next optimizer step's `accumulation_steps` micro-batches of this rank, each
-        {"input", "labels": (local_batch_size, seq_len), "sample_ids": (local_batch_size,)}."""
+        {"input", "labels": (local_batch_size, seq_len), "sample_ids": (local_batch_size,)}; with
+        multi-token prediction of depth D the labels are (local_batch_size, 1 + D, seq_len), row d
+        the tokens d + 1 positions ahead of the input."""
         if self._samples is None:
             self._samples = iter(self.order)
         return [self._micro_batch() for _ in range(self.accumulation_steps)]
@@ -124,9 +126,13 @@ class StepLoader:
     def _micro_batch(self) -> dict[str, torch.Tensor]:
         samples = [next(self._samples) for _ in range(self.local_batch_size)]
         tokens = torch.stack([s["tokens"] for s in samples])
+        length, ahead = self.order.seq_len, tokens.shape[1] - 1 - self.order.seq_len
+        labels = tokens[:, 1 : length + 1]
+        if ahead:  # multi-token prediction: depth d's labels are d tokens further on
+            labels = torch.stack([tokens[:, 1 + depth : 1 + depth + length] for depth in range(1 + ahead)], 1)
         batch = {
-            "input": tokens[:, :-1],
-            "labels": tokens[:, 1:],
+            "input": tokens[:, :length],
+            "labels": labels,
             "sample_ids": torch.tensor([s["sample_id"] for s in samples]),
         }
         if self.pin_memory:  # page-locked host memory copies to the GPU asynchronously
@@ -141,9 +147,9 @@ class StepLoader:
         self._samples = None  # reopened at the loaded cursor
 
 
-def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShards:
+def build_source(training, tokenizer: Tokenizer, extra_tokens: int = 0) -> PackedTextStream | TokenShards:
     if training.dataset == "tokens":
-        shards = TokenShards(training.dataset_path, training.seq_len)
+        shards = TokenShards(training.dataset_path, training.seq_len, extra_tokens)
         if shards.vocab_size != tokenizer.vocab_size:
             raise UserError(
                 f"the token shards in '{training.dataset_path}' were made with a tokenizer of "
@@ -158,7 +164,7 @@ def build_source(training, tokenizer: Tokenizer) -> PackedTextStream | TokenShar
         training.dataset_subset,
         training.dataset_split,
     )
-    return PackedTextStream(documents, tokenizer, training.seq_len)
+    return PackedTextStream(documents, tokenizer, training.seq_len, extra_tokens)
 
 
 def plan_batches(training, dp_degree: int) -> tuple[int, int]:
@@ -180,8 +186,9 @@ def build_dataloader(
     dp_rank: int,
     dp_degree: int,
     pin_memory: bool = False,
+    extra_tokens: int = 0,
 ) -> StepLoader:
-    order = GlobalSampleOrder(
-        build_source(training, tokenizer), training.seq_len, global_batch_size, dp_rank, dp_degree
-    )
+    """extra_tokens: tokens past each sample's labels (the model's multi-token-prediction depth)."""
+    source = build_source(training, tokenizer, extra_tokens)
+    order = GlobalSampleOrder(source, training.seq_len, global_batch_size, dp_rank, dp_degree)
     return StepLoader(order, training.local_batch_size, pin_memory)

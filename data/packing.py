@@ -35,10 +35,13 @@ BATCH_CHARACTERS = 2**20
 
 
 class PackedTextStream:
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int):
+    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, extra_tokens: int = 0):
+        """extra_tokens: each sample also holds this many tokens past its labels (multi-token
+        prediction's tokens ahead, data/loader.py): sample k is tokens [k*L, k*L + L + extra]."""
         self.source = source
         self.tokenizer = tokenizer
         self.seq_len = seq_len
+        self.extra_tokens = extra_tokens
 
     def _tokenized_documents(self, epoch: int, start: SourcePosition | None) -> Iterator:
         """(epoch, source position, tokens + EOS) for each document from `start` on, epoch after epoch."""
@@ -55,7 +58,7 @@ class PackedTextStream:
         Reading starts at stream position `anchor`, which is global token index `anchor_token`
         (at or before the first sample's first token).
         """
-        length = self.seq_len
+        length, window_length = self.seq_len, self.seq_len + 1 + self.extra_tokens
         k = first_sample
         buffer = np.empty(0, dtype=np.int64)
         buffer_start = anchor_token  # global token index of buffer[0]
@@ -70,9 +73,9 @@ class PackedTextStream:
             buffer = np.concatenate((buffer, tokens[skip:]))
             skip = 0
             text_seen = text_seen or len(tokens) > 1
-            while text_seen and buffer_start + len(buffer) >= k * length + length + 1:
+            while text_seen and buffer_start + len(buffer) >= k * length + window_length:
                 start = k * length - buffer_start
-                window = buffer[start : start + length + 1]
+                window = buffer[start : start + window_length]
                 yield k, _position_of(pieces, k * length), partial(np.copy, window)
                 k += 1
             # Drop what no later sample needs (also skips ahead to the first sample).

@@ -32,7 +32,9 @@ def write_meta(
 
 
 class TokenShards:
-    def __init__(self, folder: str, seq_len: int):
+    def __init__(self, folder: str, seq_len: int, extra_tokens: int = 0):
+        """extra_tokens: read this many tokens past each sample's labels too (multi-token
+        prediction's tokens ahead, data/loader.py)."""
         meta_path = Path(folder) / "meta.json"
         if not meta_path.is_file():
             raise UserError(
@@ -44,7 +46,7 @@ class TokenShards:
             raise UserError(f"{meta_path} is not a {FORMAT} file (format: {meta.get('format')!r})")
         self.meta = meta
         self.vocab_size = meta["vocab_size"]
-        self.seq_len = seq_len
+        self.seq_len, self.extra_tokens = seq_len, extra_tokens
         self.arrays = []
         for shard in meta["shards"]:
             path = Path(folder) / shard["file"]
@@ -55,16 +57,16 @@ class TokenShards:
                 self.arrays.append(np.memmap(path, dtype=meta["dtype"], mode="r"))
         self.offsets = np.cumsum([0] + [len(a) for a in self.arrays])
         self.num_tokens = int(self.offsets[-1])
-        self.samples_per_epoch = (self.num_tokens - 1) // seq_len
+        self.samples_per_epoch = (self.num_tokens - 1 - extra_tokens) // seq_len
         if self.samples_per_epoch < 1:
             raise UserError(
                 f"training.dataset_path '{folder}' holds {self.num_tokens} tokens, fewer than one "
-                f"sample of seq_len {seq_len} + 1"
+                f"sample of seq_len {seq_len} + {1 + extra_tokens}"
             )
 
     def sample(self, k: int) -> np.ndarray:
         start = (k % self.samples_per_epoch) * self.seq_len
-        return self._tokens(start, start + self.seq_len + 1)
+        return self._tokens(start, start + self.seq_len + 1 + self.extra_tokens)
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         pieces = []

@@ -34,6 +34,9 @@ ARGS_READ_OUTSIDE_MODELS = {
     "dim": "the hidden size: the memory estimate's block inputs (training/memory_estimate.py)",
     "ffn_hidden_dim": "the feed-forward width of a block without a models.moe.MoE layer, for the memory "
     "estimate; a family whose blocks all have one need not define it",
+    "mtp_depth": "multi-token prediction's depth: the data loader reads that many tokens more per sample "
+    "and the training step passes them (TrainableModel.forward's mtp_tokens); absent = 0",
+    "mtp_loss_weight": "the weight of the MTP depths' mean loss in the objective (training/loss.py)",
 }
 REQUIRED_ARGS = ("vocab_size", "max_seq_len", "dim")
 
@@ -57,8 +60,13 @@ class TrainableModel(Protocol):
         """tokens (batch, seq) -> logits (batch, seq, vocab). A pipeline stage sets the head or tail
         modules it does not hold to None: without the head, forward takes hidden states instead
         of tokens; without the tail it returns hidden states. attention_mask (None = causal) goes,
-        untouched, to every models.attention.CausalAttentionKernel: that is how document masking
-        (`model.attention_mask = "document"`) and context parallelism reach a model."""
+        untouched, to every models.attention.CausalAttentionKernel (or LatentAttentionKernel): that
+        is how document masking (`model.attention_mask = "document"`) and context parallelism reach
+        a model.
+
+        A family with multi-token prediction (multi_token_prediction(args) depth D > 0) also takes
+        `mtp_tokens` (batch, D, seq), row d - 1 the tokens d positions ahead of `tokens`, when
+        training; given them, it returns a tuple: the main logits, then each depth's."""
         ...
 
     def init_weights(self) -> None:
@@ -106,10 +114,23 @@ class ModelSpec:
     With loss_parallel the output projection must leave the logits sharded over the vocabulary."""
     tensor_parallel_sizes: Callable[[Any], dict[str, int]] | None = None
     """sizes(args) -> {what: size} that the tensor-parallel degree must divide."""
+    last_stage: Callable[[Any], tuple[str, ...]] | None = None
+    """last_stage(args): modules besides `tail` that the last pipeline stage holds: blocks of
+    `layers` that run on the tail's input (DeepSeek-V3's multi-token prediction, "layers.61"),
+    and head modules the tail reads too (its embedding): the first stage keeps those as well, and
+    the two copies' gradients are summed every step, so that one update keeps them equal. Such a
+    stage gets hidden states, not tokens, though it holds the embedding: its model tells them
+    apart by dtype."""
 
     def adapter(self, args: Any) -> Any:
         """The Hugging Face adapter for these args, or None if the family has none."""
         return self.state_dict_adapter(args) if self.state_dict_adapter is not None else None
+
+
+def multi_token_prediction(args: Any) -> tuple[int, float]:
+    """(depth, loss weight) of a family's multi-token prediction: its args' mtp_depth and
+    mtp_loss_weight, (0, 0.0) for a family without them."""
+    return getattr(args, "mtp_depth", 0), getattr(args, "mtp_loss_weight", 0.0)
 
 
 def model_args(

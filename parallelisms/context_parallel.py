@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from configs import UserError
-from models.attention import AttentionMask, CausalAttentionKernel, masked_attention
+from models.attention import AttentionMask, CausalAttentionKernel, LatentAttentionKernel, masked_attention
 from parallelisms.attention_parts import merge, part_backward, part_forward
 
 
@@ -37,8 +37,9 @@ def local_positions(seq_len: int, cp_rank: int, cp_degree: int) -> torch.Tensor:
 
 
 def shard_sequences(batch: dict, positions: torch.Tensor) -> dict:
-    """This rank's part of a batch's inputs and labels (dimension 1 is the sequence)."""
-    return {**batch, "input": batch["input"][:, positions], "labels": batch["labels"][:, positions]}
+    """This rank's part of a batch's inputs and labels (the last dimension is the sequence; labels
+    of multi-token prediction have a depth dimension before it)."""
+    return {**batch, "input": batch["input"][..., positions], "labels": batch["labels"][..., positions]}
 
 
 class _GatherChunks(torch.autograd.Function):
@@ -253,15 +254,50 @@ class ContextParallelAttention(nn.Module):
         return masked_attention(q, keys, values, mask)
 
 
+class ContextParallelLatentAttention(nn.Module):
+    """Multi-head Latent Attention (models.attention.LatentAttentionKernel) under context
+    parallelism: each rank all-gathers every token's latent (kv_lora_rank + RoPE dims values,
+    far fewer than the heads' keys and values) into sequence order, expands it into K and V for the
+    whole sequence, and its query chunks attend to them under the causal mask of their positions
+    (or the document mask built for them). Backward reduce-scatters the latent's gradient to its
+    owners; the expansion's weight gradients are summed with the other ranks' by FSDP, whose mesh
+    spans the cp ranks. (The keys' and values' head dims differ, so the two-part kernel of
+    ContextParallelAttention, which gathers them stacked, does not apply.)"""
+
+    def __init__(self, cp_mesh: DeviceMesh):
+        super().__init__()
+        self.exchange = KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+
+    @torch.compiler.disable  # collectives: run eagerly, between graphs
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, expand, mask: AttentionMask | None = None):
+        # (batch, 2 x chunk, width) as (1, batch, 1, 2 x chunk, width): one tensor, one "head".
+        gathered = _GatherChunks.apply(latent.unsqueeze(0).unsqueeze(2), self.exchange)[0, :, 0]
+        keys, values = expand(gathered)
+        if mask is None:
+            positions = local_positions(gathered.shape[1], self.exchange.rank, self.exchange.degree)
+            mask = torch.arange(gathered.shape[1]).unsqueeze(0) <= positions.unsqueeze(1)
+            mask = mask.to(q.device)
+        return masked_attention(q, keys, values, mask)
+
+
+KERNELS = {
+    CausalAttentionKernel: ContextParallelAttention,
+    LatentAttentionKernel: ContextParallelLatentAttention,
+}
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
-    """Swap every causal attention kernel of the model for the context-parallel one."""
-    kernels = [name for name, module in model.named_modules() if isinstance(module, CausalAttentionKernel)]
+    """Swap every attention kernel of the model for its context-parallel one (hooks that other
+    parallelisms put on the kernel, e.g. tensor parallelism's, stay on it)."""
+    kernels = [(name, module) for name, module in model.named_modules() if type(module) in KERNELS]
     has_layers = any(True for _ in getattr(model, "layers", {}))  # a pipeline stage may hold none
     if not kernels and has_layers:
         raise UserError(
-            "context parallelism needs the model's attention to call "
-            f"models.attention.CausalAttentionKernel; {type(model).__name__} has none"
+            "context parallelism needs the model's attention to call models.attention.CausalAttentionKernel "
+            f"or LatentAttentionKernel; {type(model).__name__} has none"
         )
-    for name in kernels:
+    for name, kernel in kernels:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, ContextParallelAttention(cp_mesh))
+        swapped = KERNELS[type(kernel)](cp_mesh)
+        swapped._forward_pre_hooks.update(kernel._forward_pre_hooks)
+        setattr(model.get_submodule(parent), child, swapped)

@@ -10,6 +10,7 @@ import copy
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -145,13 +146,22 @@ def keep_only(model: nn.Module, keep: list[str], candidates: list[str]) -> nn.Mo
 
 
 def split_model(
-    model: nn.Module, head: tuple[str, ...], tail: tuple[str, ...], config: Parallelism, pp_mesh: DeviceMesh
+    model: nn.Module,
+    head: tuple[str, ...],
+    tail: tuple[str, ...],
+    config: Parallelism,
+    pp_mesh: DeviceMesh,
+    last_stage: tuple[str, ...] = (),
 ) -> tuple[list[nn.Module], list[int], int]:
     """This rank's stages (copies of the model holding only their modules), their stage indices,
-    and the total number of stages. head/tail: the modules before and after model.layers."""
-    head, tail = list(head), list(tail)
-    layers = [f"layers.{key}" for key in model.layers]
+    and the total number of stages. head/tail: the modules before and after model.layers;
+    last_stage: more modules the last stage holds (ModelSpec.last_stage): blocks that go with the
+    tail, and head modules it holds as well as the first stage (StageCopies keeps them equal)."""
+    with_tail = [name for name in last_stage if name.startswith("layers.")]
+    head, tail = list(head), [*with_tail, *tail]
+    layers = [f"layers.{key}" for key in model.layers if f"layers.{key}" not in with_tail]
     groups = stage_module_names(head, layers, tail, config, pp_mesh.size())
+    groups[-1] += [name for name in last_stage if name in head]
     _check_tied_weights_within_stages(model, groups)
     indices = stages_of_rank(
         pp_mesh.get_local_rank(), pp_mesh.size(), len(groups), config.pipeline_parallel_schedule
@@ -228,6 +238,57 @@ class ShapeInferenceCounts:
         self.layers, self.before, self.added, self.hooks = {}, {}, {}, []
 
 
+class StageCopies:
+    """Parameters that the first and the last stage both hold (ModelSpec.last_stage's head modules,
+    e.g. the embedding DeepSeek-V3's multi-token prediction reads on the last stage). The two
+    copies start equal (init is seeded by name) and stay equal: after every backward each gets the
+    sum of both stages' gradients, so the same update follows; the last stage's copy is left out of
+    the gradient norm, which counts the parameter once. The two stages' ranks exchange gradients
+    directly (local shards: both stages shard alike over data and tensor parallelism)."""
+
+    def __init__(self, parts: list[nn.Module], indices: list[int], num_stages: int, pp_mesh: DeviceMesh,
+                 schedule: str, modules: tuple[str, ...]):  # fmt: skip
+        def holding(stage: int) -> list[nn.Parameter]:
+            if stage not in indices:
+                return []
+            part = parts[indices.index(stage)]
+            return [p for name, p in part.named_parameters() if name.split(".")[0] in modules]
+
+        self.first, self.last = holding(0), holding(num_stages - 1)
+        # The last stage's pipeline rank (V-shaped schedules put it beside the first, on rank 0).
+        last_rank = 0 if schedule in V_SHAPED else (num_stages - 1) % pp_mesh.size()
+        self.group = pp_mesh.get_group()
+        self.peer = None
+        if (self.first or self.last) and last_rank != 0:
+            self.peer = dist.get_global_rank(self.group, last_rank if self.first else 0)
+
+    def duplicates(self) -> list[nn.Parameter]:
+        """The copies the gradient norm leaves out."""
+        return self.last
+
+    @torch.no_grad()
+    def sum_gradients(self) -> None:
+        mine = [_local(p.grad) for p in self.first or self.last]
+        if not mine:
+            return
+        if self.peer is None:  # both stages on this rank
+            for first, last in zip(mine, [_local(p.grad) for p in self.last]):
+                first.add_(last)
+                last.copy_(first)
+            return
+        theirs = [torch.empty_like(grad) for grad in mine]
+        operations = [dist.P2POp(dist.isend, grad.contiguous(), self.peer, self.group) for grad in mine]
+        operations += [dist.P2POp(dist.irecv, buffer, self.peer, self.group) for buffer in theirs]
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
+        for grad, other in zip(mine, theirs):
+            grad.add_(other)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(type(tensor), "to_local") else tensor
+
+
 class Pipeline:
     """Runs one optimizer step's micro-batches through this rank's stages."""
 
@@ -241,7 +302,9 @@ class Pipeline:
         schedule_name: str,
         n_microbatches: int,
         loss_fn,
+        shared_modules: tuple[str, ...] = (),
     ):
+        """shared_modules: head modules the last stage holds too (StageCopies)."""
         stages = [
             PipelineStage(part, index, num_stages, device, group=pp_mesh.get_group())
             for part, index in zip(parts, indices)
@@ -259,11 +322,13 @@ class Pipeline:
             raise UserError(
                 f"pipeline schedule {schedule_name} with {n_microbatches} micro-batches: {e}"
             ) from None
+        self.loss_fn, self.stepped = loss_fn, False
         self.has_first = 0 in indices
         self.has_last = num_stages - 1 in indices
         self.device = device
         self.n_microbatches = n_microbatches
         self.shape_inference = ShapeInferenceCounts(parts)
+        self.copies = StageCopies(parts, indices, num_stages, pp_mesh, schedule_name, shared_modules)
         # Newer torch can skip gathering the last stage's outputs (full logits) after the step.
         self.step_options = (
             {"return_outputs": False}
@@ -271,16 +336,18 @@ class Pipeline:
             else {}
         )
 
-    def step(self, micro_batches: list[dict], attention_mask=None, train: bool = True) -> torch.Tensor:
-        """Forward (and with train, backward) of all micro-batches; the summed loss on the last
-        stage, else 0. attention_mask: of all micro-batches' sequences (None: causal); the schedule
-        cuts it into micro-batches like the inputs and gives each stage its part."""
+    def step(self, micro_batches: list[dict], attention_mask=None, train: bool = True) -> None:
+        """Forward (and with train, backward) of all micro-batches; the loss function (on the last
+        stage) keeps their losses. attention_mask: of all micro-batches' sequences (None: causal);
+        the schedule cuts it into micro-batches like the inputs and gives each stage its part, as
+        it does the multi-token prediction's tokens ahead (the labels of the depth before)."""
         inputs = torch.cat([b["input"] for b in micro_batches]).to(self.device)
         labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
-        losses: list[torch.Tensor] = []
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        kwargs = {"target": labels} if self.has_last else {}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
+        if train and labels.dim() == 3:
+            kwargs["mtp_tokens"] = labels[:, :-1]
         run = self.schedule.step if train else self.schedule.eval
         options = self.step_options if train else {}
         if self.has_first:
@@ -288,7 +355,8 @@ class Pipeline:
         else:
             run(**kwargs, **options)
         if train:
+            if not self.stepped:  # the first step: drop the loss its shape inference computed
+                self.loss_fn.keep_last(self.n_microbatches)
+                self.stepped = True
             self.shape_inference.take_back(self.n_microbatches)
-        if self.has_last:
-            return torch.stack([loss.detach() for loss in losses]).sum()
-        return torch.zeros((), device=self.device)
+            self.copies.sum_gradients()

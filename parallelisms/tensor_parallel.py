@@ -27,8 +27,10 @@ def apply_tensor_parallel(
         if _holds(model, name)
     }
     parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block)
+    for block in model.layers.values():  # (a plan may cover several kinds of block: dense, MoE)
+        parallelize_module(
+            block, tp_mesh, {name: style for name, style in plan.block.items() if _holds(block, name)}
+        )
     retie(model, groups)  # the plan replaces parameters module by module, which unties them
 
 

@@ -39,7 +39,6 @@ from checkpoint.state import load_model_state, load_optimizer_state, model_state
 from configs import UserError
 from configs.schema import FaultTolerance as Config
 from models.moe import moe_layers
-from training.host_reads import read_float
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +151,14 @@ class FaultTolerance:
         self.manager.allreduce(tensor, reduce_op=ReduceOp.AVG).wait()
         tensor.mul_(self.groups)
 
-    def sum_over_groups(self, loss: torch.Tensor) -> float:
-        """A group's share of a loss (normalized by the whole global batch) -> the global loss."""
-        if not self.enabled or self.semi_sync:  # semi-sync: the group's own loss
-            return read_float(loss)
-        loss = loss.detach().to(self.loss_device, torch.float64 if self.loss_device.type == "cpu" else None)
-        self._sum_in_place(loss)
-        return read_float(loss)
+    def sum_over_groups(self, losses: torch.Tensor) -> torch.Tensor:
+        """A group's share of losses (normalized by the whole global batch) -> the global losses."""
+        if not self.enabled or self.semi_sync:  # semi-sync: the group's own losses
+            return losses
+        dtype = torch.float64 if self.loss_device.type == "cpu" else None
+        losses = losses.detach().to(self.loss_device, dtype)
+        self._sum_in_place(losses)
+        return losses
 
     def record_folder(self, dump_folder: Path) -> Path:
         """Where this group's metrics.jsonl, tb/ and config.toml go (checkpoints are shared)."""

@@ -8,6 +8,7 @@ and for sigmoid routing the bias step of DeepSeek-V3's paper (1e-3).
 """
 
 from models.deepseek_v3.model import DeepseekV3Args, Transformer
+from models.deepseek_v3.parallelize import tensor_parallel_plan, tensor_parallel_sizes
 from models.deepseek_v3.state_dict_adapter import DeepseekV3StateDictAdapter
 from models.spec import ModelSpec
 
@@ -76,6 +77,13 @@ flavors = {
 }  # fmt: skip
 
 
+def last_stage(args: DeepseekV3Args) -> tuple[str, ...]:
+    """The MTP modules run on the main model's last hidden state and read the embedding: the last
+    pipeline stage holds them, and a copy of the embedding (parallelisms/pipeline.py, StageCopies)."""
+    mtp = tuple(f"layers.{i}" for i in range(args.n_layers, args.n_layers + args.mtp_depth))
+    return (*mtp, "tok_embeddings") if mtp else ()
+
+
 spec = ModelSpec(
     name="deepseek_v3",
     model_cls=Transformer,
@@ -83,4 +91,7 @@ spec = ModelSpec(
     state_dict_adapter=DeepseekV3StateDictAdapter,
     head=("tok_embeddings",),
     tail=("norm", "output"),
+    tensor_parallel_plan=tensor_parallel_plan,
+    tensor_parallel_sizes=tensor_parallel_sizes,
+    last_stage=last_stage,
 )

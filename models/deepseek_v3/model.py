@@ -303,7 +303,9 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos, self.rope_sin
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # A pipeline stage without the embedding gets hidden states; so does the last one, which
+        # holds the embedding for the MTP modules (ModelSpec.last_stage): told apart by dtype.
+        h = tokens if tokens.is_floating_point() else self.tok_embeddings(tokens)
         mtp = []
         for key, layer in self.layers.items():
             if int(key) < self.args.n_layers:
