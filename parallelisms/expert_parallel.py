@@ -28,17 +28,19 @@ from configs import UserError
 from models.moe import moe_layers
 
 
-def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, ep_mesh: DeviceMesh) -> None:
-    """Shard the experts of every MoE layer over ep_mesh (expert_mesh: ep, or ep x tp) and route
-    their tokens through it."""
-    layers = moe_layers(model)
-    has_layers = any(True for _ in getattr(model, "layers", {}))  # a pipeline stage may hold none
-    if not layers and has_layers:
+def check_expert_parallel(model: nn.Module) -> None:
+    """The whole model (before pipeline splitting: a stage may hold dense blocks only) has experts."""
+    if not moe_layers(model):
         raise UserError(
             "parallelism.expert_parallel_degree needs a model with Mixture-of-Experts layers "
             f"(models.moe.MoE); {type(model).__name__} has none"
         )
-    for moe in layers.values():
+
+
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, ep_mesh: DeviceMesh) -> None:
+    """Shard the experts of every MoE layer over ep_mesh (expert_mesh: ep, or ep x tp) and route
+    their tokens through it."""
+    for moe in moe_layers(model).values():
         if moe.args.n_experts % ep_mesh.size():
             raise UserError(
                 f"expert_parallel_degree {ep_mesh.size()} does not divide the {moe.args.n_experts} experts"

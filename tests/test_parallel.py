@@ -5,9 +5,10 @@ Each layout is a real `torchrun ... train.py` launch (fp32, CPU, gloo); the refe
 train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step loss curve within
 1e-4, grad norms within 1e-5, MoE expert load equal. Llama 3 runs the dense layouts; Qwen3 only
 FSDP x TP, through its own TP plan (QK-norm): its pipeline ends and attention are the shared
-decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism alone
-and with each other parallelism. The 8-rank layouts beyond PP 2 x CP 2 x TP 2 run on GPUs
-(tests/test_gpu.py), where 8 processes do not share 2 cores.
+decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism with
+FSDP and CP, and DeepSeek-V3 (MLA, multi-token prediction) every parallelism in four runs. The
+8-rank layouts beyond PP 2 x CP 2 x TP 2 run on GPUs (tests/test_gpu.py), where 8 processes do not
+share 2 cores.
 """
 
 import os
@@ -88,21 +89,31 @@ QWEN3_LAYOUTS = ["tp2_no_loss_parallel_fused_adamw"]  # its own TP plan (QK-norm
 # Mixture of Experts (qwen3_moe tiny) with DeepSeek-V3-style routing (sigmoid scores, expert groups,
 # a shared expert, bias balancing, a balance loss): expert parallelism alone and with each other
 # parallelism. Under CP without the balance loss: it is computed per sequence, and a CP rank's
-# chunks stand for the sequence (docs/moe.md). EP without expert FSDP is in ep2_tp2 and cp2_ep2; EP 4
-# in tests/test_checkpoint.py (saved at EP 4, continued at EP 2 and in one process).
+# chunks stand for the sequence (docs/moe.md). EP without expert FSDP is in cp2_ep2; EP 4 in
+# tests/test_checkpoint.py (saved at EP 4, continued at EP 2 and in one process). EP with TP and with
+# PP runs on DeepSeek-V3 below, whose blocks are the same MoE layer.
 ROUTING = "score_func=sigmoid,n_expert_groups=4,topk_groups=2,shared_hidden_dim=32,bias_update_rate=0.01"
 EP = "--parallelism.expert_parallel_degree"
 MOE_LAYOUTS = {
     "ep2_fsdp2": (4, f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
-    "ep2_tp2": (4, f"{EP} 2 {TP2} --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
-    "pp2_ep2": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 --model.args {ROUTING},aux_loss_coeff=0.01"),
     "cp2_ep2": (2, f"{CP} 2 {EP} 2 --training.local_batch_size 8 --model.args {ROUTING}"),
 }
-LAYOUTS |= MOE_LAYOUTS
+# DeepSeek-V3 (tiny: MLA with low-rank queries, YaRN, DeepSeek-V3 routing with a balance loss, one
+# MTP depth, whose loss is compared too): every parallelism in four runs of 4 processes. PP puts the
+# MTP block and a copy of the embedding on the last stage; CP gathers MLA's latent (without the
+# balance loss, computed per CP chunk as above).
+DEEPSEEK_LAYOUTS = {
+    "pp2_ep2_fsdp": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4"),
+    "ep2_tp2_fsdp": (4, f"{EP} 2 {TP2} --training.local_batch_size 4"),
+    "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 --model.args aux_loss_coeff=0"),
+    "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
+}
+LAYOUTS |= MOE_LAYOUTS | DEEPSEEK_LAYOUTS
 CASES = (
-    [("llama3", layout) for layout in LAYOUTS if layout not in MOE_LAYOUTS]
+    [("llama3", layout) for layout in LAYOUTS if layout not in MOE_LAYOUTS | DEEPSEEK_LAYOUTS]
     + [("qwen3", layout) for layout in QWEN3_LAYOUTS]
     + [("qwen3_moe", layout) for layout in MOE_LAYOUTS]
+    + [("deepseek_v3", layout) for layout in DEEPSEEK_LAYOUTS]
 )
 
 
@@ -140,6 +151,8 @@ def assert_parity(records: list[dict], reference: list[dict]) -> None:
         if "moe_max_load" in want:  # the same routing: counts and balance losses summed over the right ranks
             assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-6), f"step {got['step']}"
             assert got["moe_aux_loss"] == pytest.approx(want["moe_aux_loss"], rel=1e-5), f"step {got['step']}"
+        if "mtp_loss_1" in want:  # multi-token prediction's own loss
+            assert got["mtp_loss_1"] == pytest.approx(want["mtp_loss_1"], rel=1e-4), f"step {got['step']}"
 
 
 # Pipeline x tensor parallelism on gloo: torch's pipelining P2P (batch_isend_irecv, unstable on

@@ -180,21 +180,22 @@ EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overrides",
+    "model, overrides",
     [
         # EP 2 (all-to-all hooks around the experts: blocks are not one graph), with and without
-        # checkpointing (dynamo traces the experts' DTensor weights differently inside a checkpoint)
-        [*EP2, "--activation_checkpoint.mode", "none"],
-        [*EP2, "--activation_checkpoint.mode", "full"],
+        # checkpointing (dynamo traces the experts' DTensor weights differently inside a
+        # checkpoint); with checkpointing on DeepSeek-V3: MLA's blocks and the MTP block
+        ("qwen3_moe", [*EP2, "--activation_checkpoint.mode", "none"]),
+        ("deepseek_v3", [*EP2, "--activation_checkpoint.mode", "full"]),
         # PP 2: whole-block graphs (fullgraph), with the first step's shape-inference bookkeeping
         # around the stages (parallelisms/pipeline.py) outside them
-        ["--parallelism.pipeline_parallel_degree", "2", *SINGLE],
+        ("qwen3_moe", ["--parallelism.pipeline_parallel_degree", "2", *SINGLE]),
     ],
-    ids=["ep2", "ep2-ac", "pp2"],
+    ids=["ep2", "deepseek-ep2-ac", "pp2"],
 )
-def test_moe_compiled_matches_eager(overrides, eager_runs, tmp_path):
-    """The MoE model compiled on two ranks: the eager single-process losses, nothing recompiled."""
-    moe = ["--model.name", "qwen3_moe", *COMPILE, *overrides]
+def test_moe_compiled_matches_eager(model, overrides, eager_runs, tmp_path):
+    """An MoE model compiled on two ranks: the eager single-process losses, nothing recompiled."""
+    moe = ["--model.name", model, *COMPILE, *overrides]
     result = run_train([*COMMON, *moe, "--job.dump_folder", str(tmp_path)], nproc=2)
-    assert_same_losses(read_metrics(tmp_path), eager_runs("qwen3_moe"), rel=1e-5)
+    assert_same_losses(read_metrics(tmp_path), eager_runs(model), rel=1e-5)
     assert "torch.compile: 0 graphs compiled after step 2" in result.stdout

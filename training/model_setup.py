@@ -20,6 +20,7 @@ from models import check_flavor, get_model_spec
 from models.spec import ModelSpec, model_args
 from parallelisms import ParallelDims, parallelize
 from parallelisms.context_parallel import local_positions
+from parallelisms.expert_parallel import check_expert_parallel
 from parallelisms.parallel_dims import Meshes
 from parallelisms.pipeline import check_schedule, split_model
 from training import bf16_weights, memory_estimate
@@ -76,6 +77,8 @@ def build_model(
     with torch.device("meta"):
         model = spec.model_cls(args)
     num_params = sum(p.numel() for p in model.parameters())
+    if dims.ep_enabled:
+        check_expert_parallel(model)
     flops_per_token = model.flops_per_token(config.training.seq_len)
     # Pipeline parallelism first cuts the model into this rank's stages (keeping parameter names);
     # every part then goes through the same chain of parallelisms.
