@@ -761,23 +761,28 @@ def test_preemption_under_torchrun_saves_exits_0_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-def test_expert_parallel_checkpoint_resumes_at_ep_2_and_without_ep(tmp_path):
-    """Saved at EP 4, resumed at EP 2 and in one process: the uninterrupted EP 4 run's losses (the
-    stacked experts and their biases reshard like any parameter; EP against one process is
-    tests/test_parallel.py's parity, so the EP 4 run is the reference here)."""
-    moe = ["--model.name", "qwen3_moe", "--model.args", "score_func=sigmoid,bias_update_rate=0.01"]
-    ep4 = tmp_path / "ep4"
-    ep = "--parallelism.expert_parallel_degree"
+def test_deepseek_checkpoint_saved_at_pp2_ep2_resumes_at_tp2_and_in_one_process(tmp_path):
+    """DeepSeek-V3 (MLA, MoE, one MTP depth) saved at PP 2 x EP 2 (the last stage's copy of the
+    embedding beside the first stage's, the stacked experts and their biases sharded over EP) and
+    resumed at TP 2 and in one process: the uninterrupted run's losses, MTP's included (PP x EP
+    against one process is tests/test_parallel.py's parity, so that run is the reference here)."""
+    model = ["--model.name", "deepseek_v3"]
+    saved = tmp_path / "pp2_ep2"
+    layout = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"]
     run_train(
-        [*COMMON, *moe, "--training.local_batch_size", "2", ep, "4", "--job.dump_folder", str(ep4)], nproc=4
+        [*COMMON, *model, *layout, "--training.local_batch_size", "4", "--job.dump_folder", str(saved)],
+        nproc=4,
     )
     for name, nproc, overrides in (
-        ("ep2", 2, ["--training.local_batch_size", "4", ep, "2"]),
+        ("tp2", 2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
         ("one", None, SINGLE),
     ):
-        folder = resume_from(ep4, tmp_path / name)
-        run_train([*COMMON, *moe, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
-        assert_continues(folder, ep4, rel=1e-5)
+        folder = resume_from(saved, tmp_path / name)
+        run_train([*COMMON, *model, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
+        assert_continues(folder, saved, rel=1e-5)
+        want = by_step(read_metrics(saved))
+        for step, record in by_step(read_metrics(folder)).items():
+            assert record["mtp_loss_1"] == pytest.approx(want[step]["mtp_loss_1"], rel=1e-5), step
 
 
 @pytest.mark.slow
