@@ -66,7 +66,8 @@ class Model(Section):
     flavor: str = "debugmodel"
     """Size of the model within its family (llama3: tiny, debugmodel, 1B, 3B, 8B, 70B, 405B; qwen3:
     tiny, debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B; qwen3_moe: tiny, debugmodel, debugmodel_deepseek,
-    30B-A3B, 235B-A22B)."""
+    30B-A3B, 235B-A22B; deepseek_v3: tiny, debugmodel, 16B, moonlight_16B_A3B, 236B, 671B,
+    kimi_k2)."""
 
     args: list[str] = field(default_factory=list)
     """Changes to the flavor's architecture arguments, as "name=value" strings, e.g.

@@ -239,9 +239,9 @@ def _chunk_starts(q: torch.Tensor, exchange: KVExchange) -> list[int]:
 
 
 class ContextParallelAttention(nn.Module):
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, exchange: KVExchange):
         super().__init__()
-        self.exchange = KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        self.exchange = exchange
 
     @torch.compiler.disable  # collectives started and finished apart: run eagerly, between graphs
     def forward(
@@ -264,9 +264,9 @@ class ContextParallelLatentAttention(nn.Module):
     spans the cp ranks. (The keys' and values' head dims differ, so the two-part kernel of
     ContextParallelAttention, which gathers them stacked, does not apply.)"""
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, exchange: KVExchange):
         super().__init__()
-        self.exchange = KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        self.exchange = exchange
 
     @torch.compiler.disable  # collectives: run eagerly, between graphs
     def forward(self, q: torch.Tensor, latent: torch.Tensor, expand, mask: AttentionMask | None = None):
@@ -298,6 +298,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         )
     for name, kernel in kernels:
         parent, _, child = name.rpartition(".")
-        swapped = KERNELS[type(kernel)](cp_mesh)
+        swapped = KERNELS[type(kernel)](
+            KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        )
         swapped._forward_pre_hooks.update(kernel._forward_pre_hooks)
         setattr(model.get_submodule(parent), child, swapped)

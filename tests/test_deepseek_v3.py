@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 import transformers
+from conftest import REPO
 
 from checkpoint import hf
 from configs import UserError
@@ -182,3 +183,66 @@ def test_multi_token_prediction_returns_each_depths_logits():
         depths = model(tokens[:, :32], mtp_tokens=ahead)
     assert len(depths) == 3 and all(d.shape == main.shape for d in depths)
     assert depths[0].equal(main) and not depths[1].equal(depths[2])
+
+
+def test_context_parallel_gathers_the_latent_not_keys_and_values():
+    """A CP rank's MLA gathers each token's latent (kv_lora_rank + RoPE dims values) where plain CP
+    gathers every head's key and value, and its queries' attention equals the whole sequence's."""
+    from parallelisms.context_parallel import (
+        ContextParallelLatentAttention,
+        WholeSequenceExchange,
+        local_positions,
+    )
+
+    torch.manual_seed(0)
+    args, model = tiny_model([], seq=32)
+    attention = model.layers["0"].attention
+    x = torch.randn(2, 32, args.dim)
+    seen = {}
+    attention.kernel.register_forward_hook(lambda _, inputs, __: seen.update(latent=inputs[1].detach()))
+    with torch.no_grad():
+        whole = attention(x, model.rope_cos, model.rope_sin)
+        keys, values = attention.expand(seen["latent"])
+    rank, degree = 1, 2
+    positions = local_positions(32, rank, degree)
+    sent = []
+
+    class Recorded(WholeSequenceExchange):
+        def start_gather(self, local):
+            sent.append(local.shape)
+            return super().start_gather(local)
+
+    attention.kernel = ContextParallelLatentAttention(
+        Recorded(seen["latent"].unsqueeze(0).unsqueeze(2), rank, degree)
+    )
+    with torch.no_grad():
+        mine = attention(x[:, positions], model.rope_cos[positions], model.rope_sin[positions])
+    torch.testing.assert_close(mine, whole[:, positions], rtol=1e-5, atol=1e-6)
+    # What this rank sends: its 16 tokens' latents, one "head" of kv_lora_rank + rope dims values.
+    assert sent == [torch.Size([1, 2, 1, 16, args.kv_lora_rank + args.qk_rope_head_dim])]
+    per_token = {"latent": args.kv_lora_rank + args.qk_rope_head_dim,
+                 "keys and values": keys.shape[1] * (keys.shape[-1] + values.shape[-1])}  # fmt: skip
+    assert per_token == {"latent": 16 + 8, "keys and values": 4 * (24 + 12)}
+
+
+@pytest.mark.slow
+def test_dry_run_fits_671b_and_kimi_k2_on_1024_and_2048_gpus_of_80_gb():
+    """configs/deepseek_v3_671b.toml's layout (PP 8 x FSDP 128 with EP 64; PP 16 at 2,048 GPUs), for
+    DeepSeek-V3 and Kimi K2: every pipeline stage's estimate under 80 GB, each dry run in a minute."""
+    import time
+
+    from configs import load_config
+    from training.dry_run import dry_run
+
+    for flavor in ("671B", "kimi_k2"):
+        for world, stages in ((1024, 8), (2048, 16)):
+            start = time.perf_counter()
+            config = load_config([
+                "--config", str(REPO / "configs/deepseek_v3_671b.toml"), "--model.flavor", flavor,
+                "--job.dry_run", "--job.dry_run_world_size", str(world),
+                "--parallelism.pipeline_parallel_degree", str(stages),
+                "--training.global_batch_size", str(world),
+            ])  # fmt: skip
+            estimate = dry_run(config)
+            assert estimate.total_gib < 80 * 1e9 / 2**30, (flavor, world, estimate)
+            assert time.perf_counter() - start < 60, (flavor, world)

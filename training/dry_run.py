@@ -21,30 +21,52 @@ logger = logging.getLogger("train")
 
 
 def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
-    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
-
+    """Check the config for its target world and log the layout and each rank's estimated memory;
+    returns the largest estimate: with pipeline parallelism each stage's first rank is built in
+    turn (stages hold different blocks: DeepSeek-V3's first are dense, the last holds the MTP
+    block and the output head), otherwise rank 0 stands for all."""
     world = config.job.dry_run_world_size or distributed.world_size()
     dims = ParallelDims.from_config(config.parallelism, world)
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world)
-    mesh = dims.build_mesh("cpu")
-    model = build_model(config, dims, mesh, torch.device("cpu"), initialize=False)
-    global_batch, accumulation = plan_batches(config.training, dims.dp)
-    estimate = memory_estimate.for_config(config, dims, model.parts, model.args, model.spec.tail)
-    logger.info(
-        f"dry run of {model.spec.name} {config.model.flavor} ({model.num_params:,} parameters): "
-        f"{dims.describe()}"
-    )
-    logger.info(f"mesh {mesh.shape()}")
-    logger.info(
-        f"global batch {global_batch} = {config.training.local_batch_size} per micro-batch x {dims.dp} "
-        f"data-parallel x {accumulation} accumulation"
-    )
-    stages = f" (pipeline stages {model.stage_indices} of {model.num_stages})" if dims.pp_enabled else ""
-    logger.info(f"parameters on rank 0: {estimate.parameters:,}{stages}")
-    logger.info(
-        f"estimated memory per rank: {estimate.total_gib:.1f} GiB = weights {estimate.weights_gib:.1f} + "
-        f"gradients {estimate.gradients_gib:.1f} + AdamW {estimate.optimizer_gib:.1f} + gathered "
-        f"{estimate.gathered_gib:.1f} + activations ~{estimate.activations_gib:.1f}"
-    )
-    dist.destroy_process_group()
-    return estimate
+    ranks = [stage * (world // dims.pp) for stage in range(dims.pp)] if dims.pp_enabled else [0]
+    largest = None
+    for rank in ranks:
+        model, estimate = _build_as(config, dims, rank, world)
+        if rank == 0:
+            global_batch, accumulation = plan_batches(config.training, dims.dp)
+            logger.info(
+                f"dry run of {model.spec.name} {config.model.flavor} ({model.num_params:,} parameters): "
+                f"{dims.describe()}"
+            )
+            logger.info(
+                f"global batch {global_batch} = {config.training.local_batch_size} per micro-batch x "
+                f"{dims.dp} data-parallel x {accumulation} accumulation"
+            )
+        stages = f" (pipeline stages {model.stage_indices} of {model.num_stages})" if dims.pp_enabled else ""
+        logger.info(
+            f"rank {rank}{stages}: {estimate.parameters:,} parameters, estimated memory "
+            f"{estimate.total_gib:.1f} GiB = weights {estimate.weights_gib:.1f} + gradients "
+            f"{estimate.gradients_gib:.1f} + AdamW {estimate.optimizer_gib:.1f} + gathered "
+            f"{estimate.gathered_gib:.1f} + activations ~{estimate.activations_gib:.1f}"
+        )
+        if largest is None or estimate.total_gib > largest.total_gib:
+            largest = estimate
+    logger.info(f"estimated memory per rank: {largest.total_gib:.1f} GiB at most")
+    return largest
+
+
+def _build_as(config: JobConfig, dims: ParallelDims, rank: int, world: int):
+    """The model rank `rank` would build (meta device, a fake process group), and its estimate."""
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = dims.build_mesh("cpu")
+        if rank == 0:
+            logger.info(f"mesh {mesh.shape()}")
+        model = build_model(config, dims, mesh, torch.device("cpu"), initialize=False)
+        estimate = memory_estimate.for_config(
+            config, dims, model.parts, model.args, model.spec.tail, model.stage_indices
+        )
+        return model, estimate
+    finally:
+        dist.destroy_process_group()

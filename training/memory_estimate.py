@@ -12,7 +12,8 @@ Estimated, the activations kept for backward, per token of a micro-batch on this
 
     dense layer  ACTIVATION_BYTES_PER_FFN x ffn_hidden_dim / tp
     MoE layer    ACTIVATION_BYTES_PER_FFN x (top_k x expert_hidden_dim + shared_hidden_dim / tp)
-    logits       6 bytes x vocab / tp  (bf16 logits and their fp32-sized gradient work)
+    logits       6 bytes x vocab / tp  (bf16 logits and their fp32-sized gradient work), once more for
+                 each multi-token-prediction depth
 
 The coefficient was measured on an H200 for compiled bf16 Llama 3 without activation checkpointing
 (1B and 3B at seq 8192 give ~54 KB per token and layer with ffn 8192; docs/performance.md holds the
@@ -37,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from configs import UserError
 from models.moe import moe_layers
+from models.spec import multi_token_prediction
 
 ACTIVATION_BYTES_PER_FFN = 6.6
 GIB = 2**30
@@ -114,7 +116,8 @@ def estimate(
     else:
         per_token = sum(per_layer)
     holds_tail = any(getattr(part, name, None) is not None for part in model_parts for name in tail)
-    per_token += 6 * args.vocab_size / tp if holds_tail else 0
+    heads = 1 + multi_token_prediction(args)[0]  # the main logits, and each MTP depth's
+    per_token += heads * 6 * args.vocab_size / tp if holds_tail else 0
     activations = per_token * tokens_per_micro_batch * in_flight_micro_batches
     return MemoryEstimate(
         parameters=local,
@@ -126,11 +129,17 @@ def estimate(
     )
 
 
-def for_config(config, dims, model_parts: list[nn.Module], args, tail: tuple[str, ...]) -> MemoryEstimate:
+def for_config(
+    config, dims, model_parts: list[nn.Module], args, tail: tuple[str, ...], stage_indices: list[int] = (0,)
+) -> MemoryEstimate:
     """The estimate for this rank of a run: its parts, its micro-batch, its layout; tail: the
-    family's ModelSpec.tail."""
+    family's ModelSpec.tail; stage_indices: the pipeline stages the parts are (1F1B keeps pp - s
+    micro-batches in flight on stage s; other schedules are counted at pp, the most)."""
     tokens = config.training.local_batch_size * config.training.seq_len // dims.cp
-    in_flight = dims.pp if dims.pp_enabled else 1
+    in_flight = 1
+    if dims.pp_enabled:
+        one_f_one_b = config.parallelism.pipeline_parallel_schedule == "1F1B"
+        in_flight = dims.pp - min(stage_indices) if one_f_one_b else dims.pp
     fsdp_ranks = dims.dp_shard * dims.cp if dims.fsdp_enabled else 0
     return estimate(model_parts, args, tokens, dims.tp, fsdp_ranks,
                     config.activation_checkpoint.mode, in_flight, dims.ep, tail=tail)  # fmt: skip

@@ -92,7 +92,7 @@ def build_model(
     for part in parts:
         parallelize(part, spec, args, dims, mesh, config, device, dtype)
     if initialize:
-        estimate = memory_estimate.for_config(config, dims, parts, args, spec.tail)
+        estimate = memory_estimate.for_config(config, dims, parts, args, spec.tail, stage_indices)
         memory_estimate.check_fits(estimate, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         with torch.device("meta"):
             template = spec.model_cls(args)  # unsharded reference for layout-independent init
