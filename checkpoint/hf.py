@@ -6,15 +6,21 @@ of rows and columns its shard covers. Where the adapter converts rows in blocks 
 the box grows to whole blocks, is converted, then cut. A stacked expert tensor (experts, in, out) is
 read from its per-expert Hugging Face tensors, only those of the experts in the rank's box (FSDP or
 expert parallelism shard dim 0). Memory and reads per rank are its shard's.
+
+Float8 checkpoints with block scales (DeepSeek-V3's, Kimi K2's): a weight `X.weight` stored as float8
+beside `X.weight_scale_inv` (in any file of the folder), one float32 scale per block of
+FLOAT8_BLOCK x FLOAT8_BLOCK values (the last blocks partial), is dequantized while read: the box
+read is multiplied by the scales of the blocks it overlaps, which alone are read.
 """
 
 import contextlib
 import json
 import shutil
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,6 +35,12 @@ from models.hf_adapter import StateDictAdapter
 from parallelisms.wrapper_names import original_name
 
 SHARD_BYTES = 5 * 2**30
+# DeepSeek's float8 weights: `X.weight` is scaled by `X.weight_scale_inv`, one scale per block of
+# FLOAT8_BLOCK x FLOAT8_BLOCK (inference/kernel.py of deepseek-ai/DeepSeek-V3).
+SCALE_SUFFIX = "_scale_inv"
+FLOAT8_BLOCK = 128
+Files = Callable[[Path], Any]
+"""A function giving a file's opened safetensors (_files)."""
 # What of model.hf_assets_path the export carries: the files data/tokenizer.py reads, and the map
 # of special tokens that transformers' tokenizer loading also looks for.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -55,6 +67,21 @@ def _open(file: Path) -> Iterator:
         raise UserError(f"{file} cannot be read as safetensors (truncated or damaged?): {e}") from None
 
 
+@contextlib.contextmanager
+def _files() -> Iterator[Files]:
+    """A function giving a file's opened safetensors, each file opened once and kept open until the
+    end: a weight's file, and its scales' where DeepSeek's sharding put them in another."""
+    with contextlib.ExitStack() as stack:
+        opened = {}
+
+        def get(file: Path):
+            if file not in opened:
+                opened[file] = stack.enter_context(_open(file))
+            return opened[file]
+
+        yield get
+
+
 @dataclass(frozen=True)
 class Location:
     """Where one of our tensors, or one expert of a stacked one, lies in a Hugging Face folder."""
@@ -64,21 +91,28 @@ class Location:
     shape: tuple[int, ...]
     expert: int | None = None
     """The index in dim 0 of our stacked tensor that this Hugging Face tensor fills; None: all of it."""
+    scale: "Location | None" = None
+    """Where a float8 weight's block scales (`<hf_name>_scale_inv`) lie; None: stored unscaled."""
 
 
 def locate(
     folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, list[Location]]:
     """Where each tensor of `shapes` (our names -> expected shapes) lies, read from the headers only:
-    one location, or one per expert for a stacked expert tensor.
+    one location, or one per expert for a stacked expert tensor, with its block scales if any.
 
     Tensors not in `shapes` (another pipeline stage's) are skipped; unknown names, other shapes and
     missing tensors are the user's mistake (a checkpoint of another model or flavor).
     """
-    found = defaultdict(list)
+    found, scales, stored = defaultdict(list), {}, set()
     for file in sorted(folder.glob("*.safetensors")):
         with _open(file) as tensors:
             for hf_name in tensors.keys():
+                if hf_name.endswith(".weight" + SCALE_SUFFIX):  # paired below: its weight may be elsewhere
+                    shape = tuple(tensors.get_slice(hf_name).get_shape())
+                    scales[hf_name.removesuffix(SCALE_SUFFIX)] = Location(file, hf_name, shape)
+                    continue
+                stored.add(hf_name)
                 try:
                     name, expert = adapter.from_hf_name(hf_name), adapter.expert_index(hf_name)
                 except KeyError as e:
@@ -98,24 +132,62 @@ def locate(
     if missing:
         count = f"{len(missing)} tensor{'s' * (len(missing) != 1)}"
         raise UserError(f"Hugging Face checkpoint {folder} lacks {count}, e.g. {missing[0]}")
-    return found
+    orphans = sorted(set(scales) - stored)
+    if orphans:
+        scale = scales[orphans[0]]
+        raise UserError(f"{scale.file}: {scale.hf_name} scales {orphans[0]}, which the checkpoint lacks")
+    return {name: [_with_scale(loc, scales.get(loc.hf_name)) for loc in locs] for name, locs in found.items()}
+
+
+def _with_scale(location: Location, scale: Location | None) -> Location:
+    """location with its block scales, whose shape is checked: one per block of the weight."""
+    if scale is None:
+        return location
+    blocks = tuple(-(-size // FLOAT8_BLOCK) for size in location.shape)
+    if len(location.shape) != 2 or scale.shape != blocks:
+        raise UserError(
+            f"{scale.file}: {scale.hf_name} is {scale.shape}, but {location.hf_name} {location.shape} "
+            f"has {blocks} blocks of {FLOAT8_BLOCK} x {FLOAT8_BLOCK}"
+        )
+    return replace(location, scale=scale)
+
+
+def _read(files: Files, location: Location, box: tuple[slice, ...]) -> torch.Tensor:
+    """The box (a slice per dim) of a Hugging Face tensor as stored there; a float8 weight's values
+    times their blocks' scales, in float32 (DeepSeek's product), reading only the scales of the
+    blocks the box overlaps."""
+    values = files(location.file).get_slice(location.hf_name)[box]
+    if location.scale is None:
+        if values.is_floating_point() and values.element_size() == 1:
+            raise UserError(
+                f"{location.file}: {location.hf_name} is {values.dtype} without the "
+                f"{location.hf_name}{SCALE_SUFFIX} that scales it"
+            )
+        return values
+    blocks = tuple(slice(part.start // FLOAT8_BLOCK, -(-part.stop // FLOAT8_BLOCK)) for part in box)
+    scale = files(location.scale.file).get_slice(location.scale.hf_name)[blocks]
+    # One scale per value: each block's repeated over its rows (then columns), cut to the box.
+    for dim, (part, block) in enumerate(zip(box, blocks)):
+        start = part.start - block.start * FLOAT8_BLOCK
+        scale = scale.repeat_interleave(FLOAT8_BLOCK, dim).narrow(dim, start, values.shape[dim])
+    return values.to(torch.float32) * scale
 
 
 def _read_box(
-    tensors, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]
+    files: Files, location: Location, name: str, adapter: StateDictAdapter, box: tuple[slice, ...]
 ) -> torch.Tensor:
     """Our tensor `name`'s values in `box` (a slice per dim), reading whole blocks of rows around it."""
     rows, *columns = box
     block = adapter.rows_per_block(name)
     first, end = rows.start // block * block, -(-rows.stop // block) * block
-    read = tensors.get_slice(location.hf_name)[(slice(first, end), *columns)]
+    read = _read(files, location, (slice(first, end), *columns))
     return adapter.block_from_hf(name, read)[rows.start - first : rows.stop - first]
 
 
-def _read_expert(tensors, location: Location, box: tuple[slice, slice]) -> torch.Tensor:
+def _read_expert(files: Files, location: Location, box: tuple[slice, slice]) -> torch.Tensor:
     """The (in, out) box of one expert of our stacked tensor, from its Linear weight (out, in)."""
     inputs, outputs = box
-    return tensors.get_slice(location.hf_name)[(outputs, inputs)].T
+    return _read(files, location, (outputs, inputs)).T
 
 
 def _local_box(param: torch.Tensor) -> tuple[slice, ...]:
@@ -143,8 +215,8 @@ def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: P
     """Fill the parameters of model_parts (this rank's stage, maybe sharded) from folder's safetensors."""
     params = {original_name(n): p for part in model_parts for n, p in part.named_parameters()}
     locations = locate(folder, adapter, {name: tuple(p.shape) for name, p in params.items()})
-    for file, entries in _by_file(locations).items():
-        with _open(file) as tensors:
+    for entries in _by_file(locations).values():
+        with _files() as files:
             for name, location in entries:
                 param = params[name]
                 local = param.to_local() if isinstance(param, DTensor) else param
@@ -152,25 +224,26 @@ def load_into(model_parts: list[nn.Module], adapter: StateDictAdapter, folder: P
                     continue
                 box = _local_box(param)
                 if location.expert is None:
-                    local.copy_(_read_box(tensors, location, name, adapter, box))
+                    local.copy_(_read_box(files, location, name, adapter, box))
                 elif box[0].start <= location.expert < box[0].stop:  # an expert this rank holds
-                    local[location.expert - box[0].start].copy_(_read_expert(tensors, location, box[1:]))
+                    local[location.expert - box[0].start].copy_(_read_expert(files, location, box[1:]))
 
 
 def read_full(
     folder: Path, adapter: StateDictAdapter, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
-    """The full tensors of `shapes` (our names and layout), in dtype or the files' own."""
+    """The full tensors of `shapes` (our names and layout), in dtype or the files' own (float32 for
+    dequantized float8 weights)."""
     state = {}
-    for file, entries in _by_file(locate(folder, adapter, shapes)).items():
-        with _open(file) as tensors:
+    for entries in _by_file(locate(folder, adapter, shapes)).values():
+        with _files() as files:
             for name, location in entries:
                 whole = tuple(slice(0, n) for n in shapes[name])
                 if location.expert is None:
-                    full = _read_box(tensors, location, name, adapter, whole)
+                    full = _read_box(files, location, name, adapter, whole)
                     state[name] = full if dtype is None else full.to(dtype)
                     continue
-                expert = _read_expert(tensors, location, whole[1:])
+                expert = _read_expert(files, location, whole[1:])
                 if name not in state:
                     state[name] = torch.empty(shapes[name], dtype=dtype or expert.dtype)
                 state[name][location.expert] = expert
