@@ -39,8 +39,9 @@ class Job(Section):
     parallel layout (each parameter is drawn from its own seed derived from this and its name)."""
 
     dry_run: bool = False
-    """Check the config and print the mesh, rank 0's parameters and the estimated memory per rank
-    for dry_run_world_size ranks, then stop (one process, nothing trained or written)."""
+    """Check the config and print the mesh, the parameters and the estimated memory of rank 0 (with
+    pipeline parallelism, of each stage's first rank, and the largest) for dry_run_world_size
+    ranks, then stop (one process, nothing trained or written)."""
 
     dry_run_world_size: int = 0
     """The world size a dry run checks; 0 = the processes launched."""

@@ -114,7 +114,7 @@ class ModelSpec:
     With loss_parallel the output projection must leave the logits sharded over the vocabulary."""
     tensor_parallel_sizes: Callable[[Any], dict[str, int]] | None = None
     """sizes(args) -> {what: size} that the tensor-parallel degree must divide."""
-    last_stage: Callable[[Any], tuple[str, ...]] | None = None
+    last_stage: Callable[[Any], tuple[str, ...]] = lambda args: ()
     """last_stage(args): modules besides `tail` that the last pipeline stage holds: blocks of
     `layers` that run on the tail's input (DeepSeek-V3's multi-token prediction, "layers.61"),
     and head modules the tail reads too (its embedding): the first stage keeps those as well, and

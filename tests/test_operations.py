@@ -222,7 +222,9 @@ def test_dry_run_prints_the_layout_without_training(tmp_path):
                         "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)])  # fmt: skip
     out = result.stdout
     assert "world 16 = pp 2 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2" in out
-    assert "parameters on rank 0:" in out and "estimated memory per rank" in out
+    # Each pipeline stage's first rank, then the largest estimate.
+    assert "rank 0 (pipeline stages [0] of 2): " in out and "rank 8 (pipeline stages [1] of 2): " in out
+    assert "estimated memory per rank: " in out and "GiB at most" in out
     assert not (tmp_path / "metrics.jsonl").exists()
     # Qwen3-MoE 235B-A22B at world 64 with expert parallelism 8, in this one process.
     moe = run_train([*TINY, "--model.name", "qwen3_moe", "--model.flavor", "235B-A22B", "--training.seq_len", "4096",

@@ -84,9 +84,8 @@ def build_model(
     # every part then goes through the same chain of parallelisms.
     parts, stage_indices, num_stages = [model], [0], 1
     if dims.pp_enabled:
-        last_stage = spec.last_stage(args) if spec.last_stage is not None else ()
         parts, stage_indices, num_stages = split_model(
-            model, spec.head, spec.tail, config.parallelism, mesh["pp"], last_stage
+            model, spec.head, spec.tail, config.parallelism, mesh["pp"], spec.last_stage(args)
         )
     dtype = compute_dtype(config, device)
     for part in parts:

@@ -50,14 +50,14 @@ class StepRunner:
             self.positions = local_positions(config.training.seq_len, mesh["cp"].get_local_rank(), dims.cp)
         # Compiled only on whole local logits: not on vocabulary shards (loss parallel) nor on TP's
         # replicated logits (see FreshLocalOutput in parallelisms/tensor_parallel.py).
-        self.mtp_depth, mtp_weight = multi_token_prediction(model.args)
+        mtp_depth, mtp_weight = multi_token_prediction(model.args)
         self.loss_fn = TokenNormalizedLoss(
             global_batch * config.training.seq_len, compile=config.compile.enable and not dims.tp_enabled,
-            mtp_depth=self.mtp_depth, mtp_weight=mtp_weight,
+            mtp_depth=mtp_depth, mtp_weight=mtp_weight,
         )  # fmt: skip
         self.pipeline = None
         if dims.pp_enabled:
-            last_stage = model.spec.last_stage(model.args) if model.spec.last_stage is not None else ()
+            last_stage = model.spec.last_stage(model.args)
             self.pipeline = Pipeline(
                 model.parts, model.stage_indices, model.num_stages, mesh["pp"], device,
                 config.parallelism.pipeline_parallel_schedule,
@@ -96,10 +96,6 @@ class StepRunner:
         """The global loss of one global batch, without gradients (validation)."""
         with self.recompiles.watch("eval", warm_up_calls=1):
             return self.global_losses(self._run(micro_batches, train=False))[0]
-
-    def global_loss(self, local_losses: torch.Tensor) -> float:
-        """The step's main loss over all ranks (a device reduction and one host read)."""
-        return self.global_losses(local_losses)[0]
 
     def global_losses(self, local_losses: torch.Tensor) -> tuple[float, dict[str, float]]:
         """The step's main loss over all ranks, and each multi-token-prediction depth's under a key
