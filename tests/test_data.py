@@ -254,6 +254,21 @@ def test_step_loader_round_trip():
     assert torch.equal(got[0]["input"][:, 1:], got[0]["labels"][:, :-1])  # labels are inputs shifted
 
 
+def test_multi_token_prediction_labels_are_the_tokens_further_ahead():
+    """With 2 tokens ahead a micro-batch's labels are (batch, 3, seq): row d the tokens d + 1 after
+    the input's, row 0 the labels without them; the input and the data state do not change."""
+    training = training_config()
+    plain = build_dataloader(training, ByteTokenizer(), global_batch_size=4, dp_rank=0, dp_degree=1)
+    ahead = build_dataloader(training, ByteTokenizer(), 4, 0, 1, extra_tokens=2)
+    for _ in range(2):
+        for a, b in zip(plain.next_step(), ahead.next_step()):
+            assert b["labels"].shape == (2, 3, 16) and torch.equal(a["input"], b["input"])
+            assert torch.equal(b["labels"][:, 0], a["labels"])
+            assert torch.equal(b["labels"][:, 1, :-1], b["labels"][:, 0, 1:])  # one token further on
+            assert torch.equal(b["labels"][:, 2, :-1], b["labels"][:, 1, 1:])
+    assert plain.state_dict() == ahead.state_dict()
+
+
 def test_text_files_in_every_format(tmp_path):
     import pyarrow
     import pyarrow.parquet as pq
@@ -401,6 +416,15 @@ def test_prepared_shards_hold_the_same_samples_as_the_text_stream(tmp_path):
     )
     for (k, _, read), _ in zip(stream.samples(0, 0, START), range(300)):
         np.testing.assert_array_equal(shards.sample(k), read())
+    # Multi-token prediction's tokens ahead: each sample runs 2 tokens on, the same from either source.
+    ahead = PackedTextStream(
+        build_document_source("python_docs", "", "text", "", "train"), ByteTokenizer(), 64, 2
+    )
+    for (k, _, read), _ in zip(ahead.samples(0, 0, START), range(300)):
+        window = read()
+        np.testing.assert_array_equal(window, TokenShards(str(output), 64, extra_tokens=2).sample(k))
+        np.testing.assert_array_equal(window[:65], shards.sample(k))
+        assert len(window) == 67
     # A state saved reading the shards holds no stream position; the text stream continues from it.
     from_shards = GlobalSampleOrder(shards, 64, 4, 0, 1)
     run_steps(from_shards, 3, 4)
