@@ -126,11 +126,12 @@ class Training(Section):
 
     bf16_weight_copies: bool = True
     """On one GPU in bf16 (no FSDP, no pipeline): the linear layers compute with bf16 copies of their
-    weights that the optimizer step rewrites, instead of autocast casting every weight in each
-    forward and backward (training/bf16_weights.py; +4% on the 1B and 3B batch-1 steps on an H200). Forward
-    and backward compute the same; gradients of several micro-batches add up in bf16, as under FSDP.
-    float8 layers cast the copies to float8 (as under FSDP): +2.4% on the 3B float8 batch-2 step, at
-    5.3 GiB more peak memory (79.0 -> 84.3 GiB); false gives that memory back."""
+    weights, refreshed after each optimizer step, instead of autocast casting every weight in each
+    forward and backward (training/bf16_weights.py; +4% on the 1B and 3B batch-1 steps on an H200, as
+    measured when the AdamW update wrote the copies itself). Forward and backward compute the same;
+    gradients of several micro-batches add up in bf16, as under FSDP. float8 layers cast the copies
+    to float8 (as under FSDP): +2.4% on the 3B float8 batch-2 step, at 5.3 GiB more peak memory
+    (79.0 -> 84.3 GiB); false gives that memory back."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of gradient reduction across data-parallel ranks (used by FSDP)."""
@@ -163,11 +164,14 @@ class Training(Section):
 
 @dataclass
 class Optimizer(Section):
-    name: Literal["AdamW"] = "AdamW"
-    """Optimizer. Weight decay applies to matrices, not to norm weights."""
+    name: Literal["AdamW", "Muon"] = "AdamW"
+    """AdamW, or Muon for the matrices of the blocks with AdamW for the other parameters
+    (embeddings, output, norms, router gates; docs/muon.md). Weight decay applies to matrices, not
+    to norm weights."""
 
     lr: float = 8e-4
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, reached at the end of warmup (with Muon: of the AdamW parameters, and of
+    the Muon ones unless muon_lr is set). The schedule scales every parameter group's."""
 
     beta1: float = 0.9
     """AdamW beta1."""
@@ -179,10 +183,50 @@ class Optimizer(Section):
     """AdamW epsilon."""
 
     weight_decay: float = 0.1
-    """Decoupled weight decay for 2-D (and larger) parameters."""
+    """AdamW's decoupled weight decay for 2-D (and larger) parameters."""
 
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
-    """AdamW kernel: auto = fused on CUDA, foreach on CPU."""
+    """torch's AdamW kernel: auto = fused on CUDA, foreach on CPU. (With state_dtype bfloat16 or
+    Muon, AdamW is training/adamw.py's foreach implementation.)"""
+
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the optimizer's state (AdamW's moments, Muon's momentum): bfloat16 halves it, the
+    arithmetic staying in float32 (training/adamw.py)."""
+
+    muon_lr: float = 0.0
+    """Muon's peak learning rate; 0 = lr (with muon_adjust_lr = "match_rms_adamw" Muon's updates
+    have AdamW's RMS, so one lr serves both, as in Moonlight)."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum."""
+
+    muon_nesterov: bool = True
+    """Nesterov momentum for Muon."""
+
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay."""
+
+    muon_adjust_lr: Literal["match_rms_adamw", "original", "none"] = "match_rms_adamw"
+    """Scale of Muon's lr per matrix (rows = output dimension): match_rms_adamw 0.2 x
+    sqrt(max(rows, cols)), original sqrt(max(1, rows/cols)) (torch.optim.Muon's two), none 1."""
+
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalization."""
+
+    muon_ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    """The quintic Newton-Schulz iteration's coefficients (a, b, c)."""
+
+    muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype of the Newton-Schulz iterations: auto = bfloat16 on CUDA (as torch.optim.Muon),
+    float32 on CPU."""
+
+    muon_params: list[str] = field(default_factory=list)
+    """Name patterns (fnmatch, e.g. "output.weight") of 2-D or larger parameters that Muon updates
+    besides the blocks' matrices."""
+
+    adamw_params: list[str] = field(default_factory=lambda: ["*.router.*"])
+    """Name patterns of block matrices that AdamW updates under Muon (the router gates by default).
+    Start-up prints which parameters get which."""
 
     def check(self, section: str) -> None:
         require(section, self, [
@@ -191,6 +235,11 @@ class Optimizer(Section):
             ("beta2", 0 <= self.beta2 < 1, "must be in [0, 1)"),
             ("eps", self.eps > 0, "must be > 0"),
             ("weight_decay", self.weight_decay >= 0, "must be >= 0"),
+            ("muon_lr", self.muon_lr >= 0 and math.isfinite(self.muon_lr), "must be >= 0 (0 = lr)"),
+            ("muon_momentum", 0 <= self.muon_momentum < 1, "must be in [0, 1)"),
+            ("muon_weight_decay", self.muon_weight_decay >= 0, "must be >= 0"),
+            ("muon_ns_steps", self.muon_ns_steps >= 1, "must be >= 1"),
+            ("muon_ns_coefficients", len(self.muon_ns_coefficients) == 3, "must hold 3 numbers (a, b, c)"),
         ])  # fmt: skip
 
 

@@ -142,6 +142,10 @@ class GroupedExperts(nn.Module):
     """The routed experts' SwiGLU weights, stacked: w1, w3 (experts, dim, hidden), w2 (experts,
     hidden, dim). Expert parallelism shards dim 0 and runs forward on the tokens it receives."""
 
+    # Each expert's matrix is stored (in, out), transposed from nn.Linear's (out, in): what
+    # matrix-aware optimizers (Muon's lr adjustment, training/muon.py) read as rows and columns.
+    matrices_in_out = True
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))

@@ -1,21 +1,22 @@
-"""bf16 copies of the matrix weights of a model on one GPU, kept current by the optimizer step.
+"""bf16 copies of the matrix weights of a model on one GPU, refreshed after each optimizer step.
 
 A model that FSDP does not wrap computes in bf16 under autocast, which casts every float32 weight
 to bf16 in each forward (and again in backward) and every bf16 weight gradient back to float32:
 passes over all the weights, ~3% of a Llama 3 step on the H200 (benchmarks/benchmark.py). Here each
-nn.Linear reads a bf16 copy of its weight instead; its gradient stays in bf16, on the copy; and the
-AdamW update (training/optimizer.py) reads that gradient and writes the new copy in its one pass
-over the weight. The float32 weights stay the model's parameters, with the optimizer's state, so
-checkpoints, resharding and every other layout see what they saw before.
+nn.Linear reads a bf16 copy of its weight instead; its gradient stays in bf16, on the copy, through
+the backward passes of every micro-batch. The optimizer step (training/optimizer.py) moves it onto
+the float32 weight, the configured optimizer (whichever it is) updates the weights, and the copies
+are refreshed from them. The float32 weights stay the model's parameters, with the optimizer's
+state, so checkpoints, resharding and every other layout see what they saw before.
 
-In numbers: a step's forward and backward are those of autocast (the same bf16 roundings); the
-update is AdamW's arithmetic in another kernel (last-bit differences); the gradients of several
-micro-batches add up in bf16 on the copies, as on FSDP's bf16 parameters.
+In numbers: a step's forward and backward are those of autocast (the same bf16 roundings), and so
+is the update; the gradients of several micro-batches add up in bf16 on the copies, as on FSDP's
+bf16 parameters.
 
 torchao's float8 layers (Float8Linear) get copies too: they cast the bf16 copy to float8 instead
-of the float32 weight (half the bytes read), their weight gradient stays in bf16 (no cast to float32,
-no float32 gradient written back by the clipping), as they compute under FSDP's bf16 parameters;
-+2.4% on the 3B float8 batch-2 step, at 5.3 GiB more peak memory (docs/performance.md).
+of the float32 weight (half the bytes read), their weight gradient stays in bf16 until the step,
+as they compute under FSDP's bf16 parameters; +2.4% on the 3B float8 batch-2 step, at 5.3 GiB more
+peak memory (docs/performance.md; measured when the update rewrote the copies itself).
 
 Left to autocast: FSDP-wrapped models (FSDP's mixed precision makes bf16 copies itself), pipeline
 stages (zero-bubble schedules take the weight gradients of the stage's parameters themselves),

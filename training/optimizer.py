@@ -1,17 +1,26 @@
-"""AdamW and the learning-rate schedule (linear warmup, then flat, then linear/sqrt/cosine decay).
+"""The optimizer (AdamW, or Muon with AdamW: training/muon.py) and the learning-rate schedule (linear
+warmup, then flat, then linear/sqrt/cosine decay).
 
 The schedule is a pure function of the step, so resuming needs no scheduler state beyond the step,
 and a run resumed with more steps or another decay follows the new schedule from there.
 """
 
+import logging
 import math
+import re
+from fnmatch import fnmatch
 
 import torch
 from torch import nn
 
 from configs.schema import LRScheduler, Optimizer
+from parallelisms.wrapper_names import original_name
 from training import bf16_weights
+from training.adamw import AdamW
 from training.grad_clip import group_by_mesh, scale_grads_
+from training.muon import Muon
+
+logger = logging.getLogger(__name__)
 
 
 def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
@@ -32,17 +41,86 @@ def lr_factor(step_index: int, steps: int, config: LRScheduler) -> float:
     return config.min_lr_factor + (1 - config.min_lr_factor) * shape
 
 
-def _adamw(part: nn.Module, config: Optimizer, device: torch.device) -> torch.optim.Optimizer:
-    params = [p for p in part.parameters() if p.requires_grad]
-    # Weight decay on matrices only; norm weights (1-D) are left alone. One group per device mesh:
-    # the foreach and fused kernels take tensors of one mesh (expert parallelism adds a second).
-    groups = [
-        {"params": same_mesh, "weight_decay": decay}
-        for decay, selected in ((config.weight_decay, [p for p in params if p.ndim >= 2]),
-                                (0.0, [p for p in params if p.ndim < 2]))
-        for same_mesh in group_by_mesh(selected).values()
-        if same_mesh
+def parameter_roles(part: nn.Module, config: Optimizer) -> dict[str, str]:
+    """The role, "muon" or "adamw", of each trainable parameter of part, by its plain-model name.
+    AdamW: everything, unless optimizer.name is Muon; then Muon takes the 2-D and larger parameters
+    of the blocks (names "layers.<i>....": attention and MLP projections, stacked experts) and
+    those matching optimizer.muon_params, except those matching optimizer.adamw_params."""
+    roles = {}
+    for name, param in part.named_parameters():
+        if not param.requires_grad:
+            continue
+        name = original_name(name)
+        in_block = name.startswith("layers.") and param.ndim >= 2
+        chosen = in_block or (param.ndim >= 2 and any(fnmatch(name, p) for p in config.muon_params))
+        muon = config.name == "Muon" and chosen and not any(fnmatch(name, p) for p in config.adamw_params)
+        roles[name] = "muon" if muon else "adamw"
+    return roles
+
+
+def describe_roles(roles: dict[str, str]) -> str:
+    """Which parameters get which, block indices folded: "Muon: layers.*.attention.wq.weight, ..."."""
+    folded = {"muon": {}, "adamw": {}}
+    for name, role in roles.items():
+        folded[role][re.sub(r"^layers\.\d+\.", "layers.*.", name)] = None
+    return "; ".join(
+        f"{label}: {', '.join(folded[role]) or '-'}" for role, label in (("muon", "Muon"), ("adamw", "AdamW"))
+    )
+
+
+def build_optimizer(part: nn.Module, config: Optimizer, device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer of one model part: torch's AdamW, ours with bf16 moments, or Muon."""
+    roles = parameter_roles(part, config)
+    named = [(original_name(n), p) for n, p in part.named_parameters() if p.requires_grad]
+    in_out = {
+        id(p)
+        for m in part.modules()
+        if getattr(m, "matrices_in_out", False)
+        for p in m.parameters(recurse=False)
+    }
+    adamw = [p for n, p in named if roles[n] == "adamw"]
+    # Weight decay on matrices only; norm weights (1-D) are left alone.
+    adamw_groups = [
+        {"params": selected, "weight_decay": decay}
+        for decay, selected in ((config.weight_decay, [p for p in adamw if p.ndim >= 2]),
+                                (0.0, [p for p in adamw if p.ndim < 2]))
     ]  # fmt: skip
+    state_dtype = getattr(torch, config.state_dtype)
+    if config.name == "Muon":
+        muon = [p for n, p in named if roles[n] == "muon"]
+        muon_groups = [
+            {"params": [p for p in muon if (id(p) in in_out) == transposed], "algorithm": "muon",
+             "lr": config.muon_lr or config.lr, "momentum": config.muon_momentum,
+             "nesterov": config.muon_nesterov, "weight_decay": config.muon_weight_decay,
+             "adjust_lr": config.muon_adjust_lr, "matrices_in_out": transposed}
+            for transposed in (False, True)
+        ]  # fmt: skip
+        for group in adamw_groups:
+            group.update(algorithm="adamw", lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps)
+        ns_dtype = config.muon_ns_dtype
+        if ns_dtype == "auto":
+            ns_dtype = "bfloat16" if device.type == "cuda" else "float32"
+        groups = [g for g in muon_groups + adamw_groups if g["params"]]
+        return Muon(
+            groups,
+            config.muon_ns_steps,
+            tuple(config.muon_ns_coefficients),
+            getattr(torch, ns_dtype),
+            state_dtype,
+        )
+    if state_dtype != torch.float32:
+        groups = [g for g in adamw_groups if g["params"]]
+        return AdamW(
+            groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, state_dtype=state_dtype
+        )
+    # torch's AdamW: one group per device mesh, as its foreach and fused kernels take tensors of
+    # one mesh (expert parallelism adds a second).
+    groups = [
+        {"params": same_mesh, "weight_decay": group["weight_decay"]}
+        for group in adamw_groups
+        for same_mesh in group_by_mesh(group["params"]).values()
+        if same_mesh
+    ]
     implementation = config.implementation
     if implementation == "auto":
         implementation = "fused" if device.type == "cuda" else "foreach"
@@ -56,45 +134,14 @@ def _adamw(part: nn.Module, config: Optimizer, device: torch.device) -> torch.op
     )
 
 
-def adamw_onto_bf16_copy(
-    weight: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    copy: torch.Tensor,
-    step: torch.Tensor,
-    lr: torch.Tensor,
-    divisor: torch.Tensor,
-    skip: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """AdamW on a float32 weight from the bf16 gradient of its bf16 copy, which it then rewrites
-    (training/bf16_weights.py): torch's fused AdamW arithmetic, the gradient divided by `divisor`;
-    where `skip` is 1 nothing changes, the step count included. Compiled, one pass over the tensors."""
-    keep = skip > 0
-    step.add_(1 - skip)
-    grad = grad.float() / divisor
-    new_avg = beta1 * exp_avg + (1 - beta1) * grad
-    new_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-    denominator = new_avg_sq.sqrt() / (1 - beta2**step).sqrt() + eps
-    new_weight = weight * (1 - lr * weight_decay) - lr / (1 - beta1**step) * new_avg / denominator
-    exp_avg.copy_(torch.where(keep, exp_avg, new_avg))
-    exp_avg_sq.copy_(torch.where(keep, exp_avg_sq, new_avg_sq))
-    weight.copy_(torch.where(keep, weight, new_weight))
-    copy.copy_(weight)
-
-
-# One compiled graph for every size (the tensors are passed flattened), so one compilation per run.
-_compiled_adamw_onto_bf16_copy = torch.compile(adamw_onto_bf16_copy, dynamic=True, fullgraph=True)
-
-
 class Optimizers:
-    """One AdamW per model part (a rank holds several parts with virtual pipeline stages), stepped
-    together. One per part because checkpoints save optimizer state under each part's parameter
-    names (torch.distributed.checkpoint.state_dict works per module)."""
+    """The optimizer of each model part (a rank holds several parts with virtual pipeline stages),
+    stepped together. One per part because checkpoints save optimizer state under each part's
+    parameter names (torch.distributed.checkpoint.state_dict works per module).
+
+    The configured optimizer performs every update. Weights whose layers compute with bf16 copies
+    (training/bf16_weights.py) have their gradients on the copies: the step moves them onto the
+    float32 weights first and refreshes the copies from the updated weights after."""
 
     def __init__(
         self,
@@ -104,32 +151,33 @@ class Optimizers:
         steps: int,
         device: torch.device,
     ):
-        self.parts = [_adamw(part, config, device) for part in model_parts]
+        self.parts = [build_optimizer(part, config, device) for part in model_parts]
         self.peak_lr, self.schedule, self.steps = config.lr, schedule, steps
-        # Weights whose layers compute with bf16 copies (training/bf16_weights.py): their gradients
-        # are on the copies; the update below reads them there and rewrites the copies.
+        self.peak_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in self.parts]
         self.bf16_copies = {w: c for part in model_parts for w, c in bf16_weights.copies(part).items()}
+        if config.name == "Muon":
+            roles = {n: r for part in model_parts for n, r in parameter_roles(part, config).items()}
+            logger.info(f"optimizer Muon ({describe_roles(roles)})")
 
     def set_lr(self, step: int) -> float:
-        """Set and return the lr of optimizer step `step` (1-based)."""
-        lr = self.peak_lr * lr_factor(step - 1, self.steps, self.schedule)
-        for optimizer in self.parts:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        return lr
+        """Set every group's lr for optimizer step `step` (1-based); returns optimizer.lr's value."""
+        factor = lr_factor(step - 1, self.steps, self.schedule)
+        for optimizer, peaks in zip(self.parts, self.peak_lrs):
+            for group, peak in zip(optimizer.param_groups, peaks):
+                group["lr"] = peak * factor
+        return self.peak_lr * factor
 
     def step(self, skip: torch.Tensor | None = None, clip: torch.Tensor | None = None) -> None:
         """One update of every part. skip: a device flag (0. or 1.) that cancels the update; clip:
         what to divide the gradients by (training/grad_clip.py's clip_divisor), or None.
 
-        Fused AdamW takes both on the device, through the hooks torch's gradient scaler uses:
-        `found_inf` (moments, step counts and weights stay untouched) and `grad_scale` (the kernel
-        divides each gradient as it reads it: no separate pass over the gradients), with no
-        synchronization. The other implementations get the gradients divided first and read the
-        flag on the host: free on the CPU, one synchronization on CUDA. Weights with bf16 copies
-        have no gradient of their own (every implementation passes over them) and are updated
-        last, with both taken on the device.
+        torch's fused AdamW takes both on the device, through the hooks torch's gradient scaler
+        uses: `found_inf` (moments, step counts and weights stay untouched) and `grad_scale` (the
+        kernel divides each gradient as it reads it: no separate pass over the gradients), with no
+        synchronization. The other optimizers get the gradients divided first and read the flag on
+        the host: free on the CPU, one synchronization on CUDA.
         """
+        self._gradients_from_copies()
         for optimizer in self.parts:
             if optimizer.defaults.get("fused"):
                 optimizer.found_inf, optimizer.grad_scale = skip, clip  # (None: not used)
@@ -140,34 +188,18 @@ class Optimizers:
                     scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
                 if skip is None or not skip.item():
                     optimizer.step()
-            if self.bf16_copies:
-                self._update_bf16_copied(optimizer, skip, clip)
+        self._refresh_copies()
 
     @torch.no_grad()
-    def _update_bf16_copied(self, optimizer, skip, clip) -> None:
-        for group in optimizer.param_groups:
-            copied = [
-                w for w in group["params"] if w in self.bf16_copies and self.bf16_copies[w].grad is not None
-            ]
-            if not copied:
-                continue
-            device = copied[0].device
-            lr = torch.full((), group["lr"], device=device)  # a tensor: no recompilation as it changes
-            divisor = torch.ones((), device=device) if clip is None else clip
-            skip_flag = torch.zeros((), device=device) if skip is None else skip
-            update = _compiled_adamw_onto_bf16_copy if device.type == "cuda" else adamw_onto_bf16_copy
-            for weight in copied:
-                copy, state = self.bf16_copies[weight], optimizer.state[weight]
-                if not state:  # as torch's AdamW starts a weight's state (a fused one's step count)
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-                    state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-                state["step"] = state["step"].to(device)  # on the CPU after loading a non-fused state
-                update(
-                    weight.view(-1), copy.grad.view(-1), state["exp_avg"].view(-1),
-                    state["exp_avg_sq"].view(-1), copy.view(-1), state["step"], lr, divisor, skip_flag,
-                    group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"],
-                )  # fmt: skip
+    def _gradients_from_copies(self) -> None:
+        for weight, copy in self.bf16_copies.items():
+            if copy.grad is not None:
+                weight.grad, copy.grad = copy.grad.to(weight.dtype), None
+
+    @torch.no_grad()
+    def _refresh_copies(self) -> None:
+        for weight, copy in self.bf16_copies.items():
+            copy.copy_(weight)
 
     def zero_grad(self) -> None:
         for optimizer in self.parts:

@@ -1,0 +1,161 @@
+"""Muon (training/muon.py) and the AdamW with bf16 moments (training/adamw.py) in one process:
+torch's arithmetic, which parameters get which, the start-up line. The distributed layouts are
+in tests/test_parallel.py (MUON_LAYOUTS), checkpoints in tests/test_checkpoint.py."""
+
+import copy
+
+import pytest
+import torch
+
+from configs.schema import LRScheduler
+from configs.schema import Optimizer as OptimizerConfig
+from models import get_model_spec
+from models.spec import model_args
+from training.adamw import AdamW
+from training.muon import Muon, newton_schulz
+from training.optimizer import Optimizers, describe_roles, parameter_roles
+from training.weight_init import init_weights, materialize
+
+QUINTIC = (3.4445, -4.7750, 2.0315)
+
+
+def muon_group(params, adjust="match_rms_adamw", in_out=False, **settings):
+    group = dict(params=params, algorithm="muon", lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1,
+                 adjust_lr=adjust, matrices_in_out=in_out)  # fmt: skip
+    return group | settings
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("shape", [(32, 64), (48, 16)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_equals_torch_muon(adjust, shape, nesterov):
+    """A 2-D matrix's update, Newton-Schulz in bf16: torch.optim.Muon's (torch 2.13), to the bit
+    here (the same operations), within bf16 tolerance in the issue's terms."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon is in torch >= 2.9")
+    torch.manual_seed(0)
+    start = torch.randn(*shape)
+    ours_w, torch_w = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    ours = Muon([muon_group([ours_w], adjust, nesterov=nesterov)], 5, QUINTIC, torch.bfloat16, torch.float32)
+    reference = torch.optim.Muon([torch_w], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                                 adjust_lr_fn=adjust)  # fmt: skip
+    for _ in range(3):
+        grad = torch.randn(*shape)
+        ours_w.grad, torch_w.grad = grad.clone(), grad.clone()
+        ours.step()
+        reference.step()
+        torch.testing.assert_close(ours_w, torch_w, rtol=1e-2, atol=1e-3)
+    assert not torch.equal(ours_w, start)
+    torch.testing.assert_close(
+        ours.state[ours_w]["momentum_buffer"], reference.state[torch_w]["momentum_buffer"], rtol=0, atol=0
+    )
+
+
+def test_stacked_experts_are_orthogonalized_expert_by_expert():
+    """A stack of experts stored (experts, in, out): each expert's update is that of its (out, in)
+    matrix on its own, the lr adjustment reading out as rows."""
+    torch.manual_seed(0)
+    stacked = torch.nn.Parameter(torch.randn(4, 16, 48))  # (experts, in, out)
+    singles = [torch.nn.Parameter(stacked[e].detach().T.clone()) for e in range(4)]  # (out, in)
+    ours = Muon([muon_group([stacked], "original", in_out=True)], 5, QUINTIC, torch.float32, torch.float32)
+    reference = Muon([muon_group(singles, "original")], 5, QUINTIC, torch.float32, torch.float32)
+    for _ in range(2):
+        grad = torch.randn(4, 16, 48)
+        stacked.grad = grad.clone()
+        for e, single in enumerate(singles):
+            single.grad = grad[e].T.clone()
+        ours.step()
+        reference.step()
+    for e, single in enumerate(singles):
+        torch.testing.assert_close(stacked[e].T, single, rtol=1e-6, atol=1e-6)
+
+
+def test_newton_schulz_orthogonalizes():
+    """Five quintic steps bring every singular value near 1 (the iteration's ~0.7-1.2 band), in
+    both orientations and batched."""
+    torch.manual_seed(0)
+    for shape in [(64, 256), (256, 64), (3, 32, 96)]:
+        result = newton_schulz(torch.randn(*shape), 5, QUINTIC, torch.float32)
+        singular = torch.linalg.svdvals(result)
+        assert result.shape == shape and singular.min() > 0.6 and singular.max() < 1.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_moments_in_bf16_follow_torch_arithmetic(dtype):
+    """training/adamw.py: with float32 moments, torch's foreach AdamW to the bit; with bf16 moments,
+    torch's AdamW run on the moments rounded to bf16 after every step."""
+    torch.manual_seed(0)
+    start = [torch.randn(32, 16), torch.randn(16)]
+    ours_p = [torch.nn.Parameter(t.clone()) for t in start]
+    torch_p = [torch.nn.Parameter(t.clone()) for t in start]
+    groups = lambda params: [
+        {"params": params[:1], "weight_decay": 0.1},
+        {"params": params[1:], "weight_decay": 0.0},
+    ]
+    ours = AdamW(groups(ours_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, state_dtype=dtype)
+    reference = torch.optim.AdamW(groups(torch_p), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    for _ in range(5):
+        for a, b in zip(ours_p, torch_p):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        ours.step()
+        reference.step()
+        for p in torch_p:  # the reference's moments, rounded as ours are stored
+            for key in ("exp_avg", "exp_avg_sq"):
+                reference.state[p][key].copy_(reference.state[p][key].to(dtype))
+        for a, b in zip(ours_p, torch_p):
+            assert torch.equal(a, b)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert ours.state[a][key].dtype == dtype
+                assert torch.equal(ours.state[a][key].float(), reference.state[b][key])
+            assert ours.state[a]["step"] == reference.state[b]["step"]
+
+
+def test_roles_and_the_start_up_line():
+    """Muon: the blocks' matrices and stacked experts; AdamW: embeddings, output, norms, router
+    gates; patterns move parameters either way."""
+    spec = get_model_spec("qwen3_moe")
+    with torch.device("meta"):
+        model = spec.model_cls(model_args(spec, "tiny", 16, 258, []))
+    roles = parameter_roles(model, OptimizerConfig(name="Muon"))
+    muon = {n for n, r in roles.items() if r == "muon"}
+    assert "layers.0.attention.wq.weight" in muon and "layers.1.moe.experts.w2" in muon
+    assert not muon & {"tok_embeddings.weight", "output.weight", "norm.weight", "layers.0.moe.router.weight",
+                       "layers.0.attention.q_norm.weight"}  # fmt: skip
+    moved = parameter_roles(model, OptimizerConfig(name="Muon", muon_params=["output.weight"],
+                                                   adamw_params=["*.router.*", "*.wo.weight"]))  # fmt: skip
+    assert moved["output.weight"] == "muon" and moved["layers.0.attention.wo.weight"] == "adamw"
+    assert set(parameter_roles(model, OptimizerConfig()).values()) == {"adamw"}
+    line = describe_roles(roles)
+    assert line.startswith("Muon: layers.*.attention.wq.weight,") and "AdamW: tok_embeddings.weight" in line
+    assert "layers.0." not in line
+
+
+def test_muon_optimizers_train_and_schedule_both_groups():
+    """Optimizers with optimizer.name = "Muon" on a MoE model: both algorithms' groups follow the
+    schedule (muon_lr and lr), clipping divides the gradients first, a skipped step changes nothing,
+    and the bf16 state option halves the state."""
+    spec = get_model_spec("qwen3_moe")
+    args = model_args(spec, "tiny", 16, 258, [])
+    with torch.device("meta"):
+        model, template = spec.model_cls(args), spec.model_cls(args)
+    materialize(model, "cpu")
+    init_weights(model, template, seed=0)
+    model.init_buffers()
+    config = OptimizerConfig(name="Muon", lr=1e-3, muon_lr=2e-2, state_dtype="bfloat16")
+    optimizers = Optimizers([model], config, LRScheduler(warmup_steps=1), 10, torch.device("cpu"))
+    (optimizer,) = optimizers.parts
+    assert isinstance(optimizer, Muon)
+    assert optimizers.set_lr(1) == pytest.approx(0.5e-3)
+    assert sorted({g["lr"] for g in optimizer.param_groups}) == pytest.approx([0.5e-3, 1e-2])
+    tokens = torch.randint(0, 258, (2, 16))
+    for skip in (0.0, 1.0):
+        model(tokens).float().square().mean().backward()
+        before = copy.deepcopy(model.state_dict())
+        optimizers.step(skip=torch.tensor(skip), clip=torch.tensor(3.0))
+        optimizers.zero_grad()
+        moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+        assert bool(moved) == (not skip)
+    states = optimizer.state.values()
+    assert {s["momentum_buffer"].dtype for s in states if "momentum_buffer" in s} == {torch.bfloat16}
+    assert {s["exp_avg"].dtype for s in states if "exp_avg" in s} == {torch.bfloat16}
