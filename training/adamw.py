@@ -20,6 +20,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """The shard of param's gradient that matches the shard of param this rank holds (a DTensor
+    gradient may come laid out otherwise, e.g. replicated where the parameter is sharded)."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return local(grad)
+
+
 def adamw_state(param: torch.Tensor, state: dict, state_dtype: torch.dtype) -> dict:
     """A parameter's AdamW state, made on its first update as torch's foreach AdamW makes it."""
     if not state:
@@ -38,7 +47,7 @@ def adamw_update_(group: dict, params: list[torch.Tensor], states: list[dict]) -
     beta1, beta2 = group["betas"]
     lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
     weights = [local(p) for p in params]
-    grads = [local(p.grad) for p in params]
+    grads = [local_grad(p) for p in params]
     exp_avgs = [local(s["exp_avg"]) for s in states]
     exp_avg_sqs = [local(s["exp_avg_sq"]) for s in states]
     low_precision = exp_avgs[0].dtype != weights[0].dtype

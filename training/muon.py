@@ -27,9 +27,9 @@ import math
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from training.adamw import adamw_state, adamw_update_, local
+from training.adamw import adamw_state, adamw_update_, local, local_grad
 
 
 def newton_schulz(
@@ -60,33 +60,47 @@ def lr_adjustment(rows: int, cols: int, adjust: str) -> float:
 
 def _shifted(placement):
     """The placement of a parameter's layout on a stack of such parameters (one dimension more)."""
-    if not isinstance(placement, Shard):
-        return placement  # Replicate
-    if hasattr(placement, "split_factor"):  # FSDP's strided shard over tensor parallelism's
-        return type(placement)(placement.dim + 1, split_factor=placement.split_factor)
-    return Shard(placement.dim + 1)
+    return Shard(placement.dim + 1) if isinstance(placement, Shard) else placement
+
+
+def _relaid(shards: list[torch.Tensor], like: DTensor, source, target) -> list[torch.Tensor]:
+    """The local shards of DTensors shaped as like, laid out as source, laid out as target."""
+    mesh = like.device_mesh
+    return [
+        DTensor.from_local(s, mesh, source, shape=like.shape, stride=like.stride())
+        .redistribute(mesh, target)
+        .to_local()
+        for s in shards
+    ]
 
 
 def orthogonalize(updates: list[torch.Tensor], like: torch.Tensor, ns: dict) -> list[torch.Tensor]:
     """Newton-Schulz of equally shaped and laid out matrices (each 2-D, or one stack of experts):
     the local shards of updates in, the local shards of the results out. `like` is one of their
     parameters, whose layout (DTensor mesh and placements) they share."""
-    stacked = torch.stack(updates) if like.ndim == 2 else updates[0]
     if not isinstance(like, DTensor):
-        result = newton_schulz(stacked, **ns)
-    else:
-        placements = [_shifted(p) for p in like.placements] if like.ndim == 2 else list(like.placements)
-        shape = (len(updates), *like.shape) if like.ndim == 2 else like.shape
-        sharded = DTensor.from_local(stacked, like.device_mesh, placements, shape=shape,
-                                     stride=torch.empty(shape, device="meta").stride())  # fmt: skip
-        # whole matrices, a share of the stack on each rank of the mesh
-        owned = sharded.redistribute(like.device_mesh, [Shard(0)] * like.device_mesh.ndim)
-        done = newton_schulz(owned.to_local(), **ns)
-        done = DTensor.from_local(
-            done, like.device_mesh, owned.placements, shape=shape, stride=owned.stride()
-        )
-        result = done.redistribute(like.device_mesh, placements).to_local()
-    return list(result.unbind(0)) if like.ndim == 2 else [result]
+        result = newton_schulz(torch.stack(updates) if like.ndim == 2 else updates[0], **ns)
+        return list(result.unbind(0)) if like.ndim == 2 else [result]
+    # FSDP's strided shard (over tensor parallelism's shard of the same dimension) is gathered
+    # first, matrix by matrix: torch 2.13 cannot redistribute a stack of such shards.
+    layout = [Replicate() if hasattr(p, "split_factor") else p for p in like.placements]
+    if layout != list(like.placements):
+        updates = _relaid(updates, like, like.placements, layout)
+    mesh = like.device_mesh
+    stacked = torch.stack(updates) if like.ndim == 2 else updates[0]
+    placements = [_shifted(p) for p in layout] if like.ndim == 2 else layout
+    shape = (len(updates), *like.shape) if like.ndim == 2 else like.shape
+    stride = torch.empty(shape, device="meta").stride()
+    sharded = DTensor.from_local(stacked, mesh, placements, shape=shape, stride=stride)
+    owned = sharded.redistribute(mesh, [Shard(0)] * mesh.ndim)  # whole matrices, a share on each rank
+    done = DTensor.from_local(
+        newton_schulz(owned.to_local(), **ns), mesh, owned.placements, shape=shape, stride=stride
+    )
+    result = done.redistribute(mesh, placements).to_local()
+    results = list(result.unbind(0)) if like.ndim == 2 else [result]
+    if layout != list(like.placements):  # (a local slice: no communication)
+        results = _relaid(results, like, layout, like.placements)
+    return results
 
 
 class Muon(torch.optim.Optimizer):
@@ -119,7 +133,7 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=self.state_dtype)
-            grad, stored = local(p.grad), local(state["momentum_buffer"])
+            grad, stored = local_grad(p), local(state["momentum_buffer"])
             buffer = stored.to(grad.dtype)  # (a copy only with low-precision state)
             buffer.lerp_(grad, 1 - momentum)
             if buffer is not stored:
