@@ -3,9 +3,14 @@ torch's arithmetic, which parameters get which, the start-up line. The distribut
 in tests/test_parallel.py (MUON_LAYOUTS), checkpoints in tests/test_checkpoint.py."""
 
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 from configs.schema import LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
@@ -159,3 +164,24 @@ def test_muon_optimizers_train_and_schedule_both_groups():
     states = optimizer.state.values()
     assert {s["momentum_buffer"].dtype for s in states if "momentum_buffer" in s} == {torch.bfloat16}
     assert {s["exp_avg"].dtype for s in states if "exp_avg" in s} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["--parallelism.tensor_parallel_degree", "2"],
+     ["--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"]],
+    ids=["fsdp2_tp2", "ep2_fsdp2"],
+)  # fmt: skip
+def test_each_matrix_is_orthogonalized_once_and_the_work_divides(overrides):
+    """4 ranks (tests/muon_probe.py): the matrices each rank orthogonalizes add up to the model's
+    Muon matrices (each expert one), and shares differ by at most one matrix per stack."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+               str(REPO / "tests/muon_probe.py"), *overrides]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    shares = [int(n) for n in re.findall(r"rank \d orthogonalized (\d+)", result.stdout)]
+    calls = max(int(n) for n in re.findall(r"in (\d+) calls", result.stdout))
+    (total,) = [int(n) for n in re.findall(r"muon matrices (\d+)", result.stdout)]
+    assert len(shares) == 4 and sum(shares) == total > 0
+    assert max(shares) - min(shares) <= calls
