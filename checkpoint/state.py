@@ -150,6 +150,13 @@ def optimizer_state(model_parts: list[nn.Module], optimizers: list[torch.optim.O
 def load_optimizer_state(
     model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], state: dict
 ) -> None:
+    """Load each part's optimizer state; the parameter groups' settings (lr, betas, Muon's...) stay
+    this run's config's, as a resumed run must follow its config. Settings the state lacks (an older
+    checkpoint) keep their values."""
     for part, optimizer in zip(model_parts, optimizers):
-        own = {key: state[key] for key in get_optimizer_state_dict(part, optimizer, options=FLAT)}
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        ours = get_optimizer_state_dict(part, optimizer, options=FLAT)
+        own = {key: state.get(key, value) for key, value in ours.items()}
         set_optimizer_state_dict(part, optimizer, own, options=FLAT)
+        for group, kept in zip(optimizer.param_groups, settings):
+            group.update(kept)

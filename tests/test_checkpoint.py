@@ -807,3 +807,39 @@ def test_plain_and_fast_paths_resume_from_each_others_checkpoints(reference, tmp
     result = run_train([*args, "--job.dump_folder", str(plain_resumes_fast)], nproc=2)
     assert re.search(r"resumed from .* files read in \S+ s, checked", result.stdout), result.stdout
     assert_continues(plain_resumes_fast, reference, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_muon_checkpoint_resumes_on_other_layouts_and_refuses_another_optimizer(tmp_path):
+    """Muon's momentum in DCP: saved at FSDP 2, resumed at FSDP 2 (bitwise), at TP 2 and in one
+    process (the uninterrupted run's losses; FSDP 2 against one process is tests/test_parallel.py's
+    parity, so that run is the reference here). Resumed with AdamW the checkpoint is refused with
+    one error line, unless the optimizer state is left out of loading."""
+    muon = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02"]
+    saved = tmp_path / "fsdp2"
+    run_train([*COMMON, *muon, "--training.local_batch_size", "4", "--job.dump_folder", str(saved)], nproc=2)
+    for name, nproc, overrides in (
+        ("fsdp2", 2, ["--training.local_batch_size", "4"]),
+        ("tp2", 2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+        ("one", None, SINGLE),
+    ):
+        folder = resume_from(saved, tmp_path / name)
+        run_train([*COMMON, *muon, *overrides, "--job.dump_folder", str(folder)], nproc=nproc)
+        assert_continues(folder, saved, rel=0 if name == "fsdp2" else 1e-5)
+    folder = resume_from(saved, tmp_path / "adamw")
+    result = run_train([*COMMON, *SINGLE, "--job.dump_folder", str(folder)], check=False)
+    assert error_line(result).startswith(
+        f"error: checkpoint {folder / 'checkpoint' / 'step-5'} holds another optimizer's state "
+        "(layers.0.attention.wq.weight: momentum_buffer there, exp_avg, exp_avg_sq, step here); "
+    )
+    assert 'exclude_from_loading = ["optimizer"]' in error_line(result)
+    excluded = [
+        *COMMON,
+        *SINGLE,
+        "--checkpoint.exclude_from_loading",
+        "optimizer",
+        "--job.dump_folder",
+        str(folder),
+    ]
+    run_train(excluded)
+    assert sorted(by_step(read_metrics(folder))) == list(range(6, STEPS + 1))

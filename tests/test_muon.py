@@ -185,3 +185,37 @@ def test_each_matrix_is_orthogonalized_once_and_the_work_divides(overrides):
     (total,) = [int(n) for n in re.findall(r"muon matrices (\d+)", result.stdout)]
     assert len(shares) == 4 and sum(shares) == total > 0
     assert max(shares) - min(shares) <= calls
+
+
+def test_resumed_optimizer_keeps_this_runs_settings(tmp_path):
+    """The state loads (momentum buffers, moments) but the settings stay the config's: a resumed
+    run follows its config, for Muon's settings as for AdamW's."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint.state import load_optimizer_state, optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+    muon = dict(name="Muon", muon_params=["0.weight"])  # (not in a block)
+    before = OptimizerConfig(**muon, beta2=0.95, muon_momentum=0.9, muon_adjust_lr="original")
+    after = OptimizerConfig(**muon, beta2=0.99, muon_momentum=0.8, muon_adjust_lr="none", muon_weight_decay=0)
+    saved = Optimizers([model], before, LRScheduler(), 10, torch.device("cpu"))
+    model(torch.randn(4, 8)).square().sum().backward()
+    saved.step()
+    saved.zero_grad()
+    dcp.save(optimizer_state([model], saved.parts), checkpoint_id=tmp_path)
+    resumed = Optimizers([model], after, LRScheduler(), 10, torch.device("cpu"))
+    state = optimizer_state([model], resumed.parts)
+    dcp.load(state, checkpoint_id=tmp_path)
+    load_optimizer_state([model], resumed.parts, state)
+    (ours,), (theirs,) = resumed.parts, saved.parts
+    loaded = [
+        (key, torch.equal(value, ours.state[p][key]))
+        for p in theirs.state
+        for key, value in theirs.state[p].items()
+    ]
+    assert {key for key, _ in loaded} == {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    assert all(same for _, same in loaded)
+    groups = {g["algorithm"]: g for g in ours.param_groups}
+    assert groups["muon"]["momentum"] == 0.8 and groups["muon"]["adjust_lr"] == "none"
+    assert groups["muon"]["weight_decay"] == 0 and groups["adamw"]["betas"] == (0.9, 0.99)
