@@ -164,15 +164,33 @@ def test_float8_tracks_full_precision_over_100_steps(tmp_path):
 @pytest.mark.slow
 def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, model="llama3"):
     """float8 under FSDP 2 x TP 2 with FSDP's float8 all-gather and precomputed scales tracks the
-    single process's float8 run (TP shards the weights; the scales are the whole tensors')."""
+    single process's float8 run (TP shards the weights; the scales are the whole tensors'). Trained
+    by Muon: its update reaches torchao's float8 weight wrappers inside FSDP's strided shards."""
     single, sharded = tmp_path / "single", tmp_path / "fsdp2_tp2"
     float8 = ["--float8.enable", "--float8.enable_fsdp_float8_all_gather",
               "--float8.precompute_float8_dynamic_scale_for_fsdp"]  # fmt: skip
-    common = [*COMMON, "--model.name", model]
+    common = [*COMMON, "--model.name", model, *MUON]
     run_train([*common, *SINGLE, "--float8.enable", "--job.dump_folder", str(single)])
     layout = ["--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"]
     run_train([*common, *layout, *float8, "--job.dump_folder", str(sharded)], nproc=4)
-    assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-4)
+    # float8 rounds the sharded run's last-bit differences to different float8 values, which Muon's
+    # steps of about lr carry: up to 6e-4 apart over 10 steps (without float8 1e-7, test_parallel.py).
+    assert_same_losses(read_metrics(sharded), read_metrics(single), rel=1e-3)
+    assert read_metrics(single)[-1]["loss"] < read_metrics(single)[0]["loss"] - 1
+
+
+# tests/test_parallel.py's Muon runs: the same arguments, so the same single-process reference.
+MUON = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02", "--training.steps", "10"]
+
+
+@pytest.mark.slow
+def test_muon_compiled_matches_eager(single_process_runs, tmp_path):
+    """Muon under FSDP 2 with compiled blocks: the eager single-process losses, nothing recompiled."""
+    result = run_train([*COMMON, *MUON, *COMPILE, "--training.local_batch_size", "4", "--job.dump_folder",
+                        str(tmp_path)], nproc=2)  # fmt: skip
+    reference = single_process_runs([*COMMON, *MUON, "--model.name", "llama3", *SINGLE])
+    assert_same_losses(read_metrics(tmp_path), reference, rel=1e-5)
+    assert "torch.compile: 0 graphs compiled after step 2" in result.stdout
 
 
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
