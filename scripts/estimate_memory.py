@@ -5,7 +5,7 @@
 
 Everything after `--` is train.py's command line. Builds the model on the meta device for rank 0
 of the target world (fake process group), applies the parallelisms, and prints one JSON line:
-weights, gradients and AdamW states from the rank's actual shards, FSDP's gathered copies, and
+weights, gradients and optimizer states from the rank's actual shards, FSDP's gathered copies, and
 activations from the coefficient in training/memory_estimate.py (calibrated on an H200 with
 compiled bf16 Llama 3; docs/performance.md compares estimates with measured peaks).
 """

@@ -219,3 +219,30 @@ def test_resumed_optimizer_keeps_this_runs_settings(tmp_path):
     groups = {g["algorithm"]: g for g in ours.param_groups}
     assert groups["muon"]["momentum"] == 0.8 and groups["muon"]["adjust_lr"] == "none"
     assert groups["muon"]["weight_decay"] == 0 and groups["adamw"]["betas"] == (0.9, 0.99)
+
+
+def test_memory_estimate_counts_the_optimizer_state():
+    """The estimate (and so the dry run and the fit check) counts AdamW's two moments, Muon's one
+    buffer, in the state dtype."""
+    from training.memory_estimate import GIB, estimate
+
+    spec = get_model_spec("qwen3_moe")
+    args = model_args(spec, "tiny", 16, 258, [])
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    muon_numel = sum(
+        n for name, n in numel.items() if parameter_roles(model, OptimizerConfig(name="Muon"))[name] == "muon"
+    )
+    total = sum(numel.values())
+    expected = {
+        ("AdamW", "float32"): 8 * total,
+        ("AdamW", "bfloat16"): 4 * total,
+        ("Muon", "float32"): 4 * muon_numel + 8 * (total - muon_numel),
+        ("Muon", "bfloat16"): 2 * muon_numel + 4 * (total - muon_numel),
+    }
+    for (name, dtype), state_bytes in expected.items():
+        config = OptimizerConfig(name=name, state_dtype=dtype)
+        got = estimate([model], args, 64, 1, 0, "none", tail=spec.tail, optimizer=config)
+        assert got.optimizer_gib * GIB == pytest.approx(state_bytes, rel=1e-9), (name, dtype)
+    assert 0 < muon_numel < total

@@ -45,7 +45,7 @@ def dry_run(config: JobConfig) -> memory_estimate.MemoryEstimate:
         logger.info(
             f"rank {rank}{stages}: {estimate.parameters:,} parameters, estimated memory "
             f"{estimate.total_gib:.1f} GiB = weights {estimate.weights_gib:.1f} + gradients "
-            f"{estimate.gradients_gib:.1f} + AdamW {estimate.optimizer_gib:.1f} + gathered "
+            f"{estimate.gradients_gib:.1f} + optimizer {estimate.optimizer_gib:.1f} + gathered "
             f"{estimate.gathered_gib:.1f} + activations ~{estimate.activations_gib:.1f}"
         )
         if largest is None or estimate.total_gib > largest.total_gib:

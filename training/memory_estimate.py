@@ -1,12 +1,13 @@
 """Per-rank memory of a training step, estimated from the parallelized (meta-device) model.
 
-Exact, from the rank's own parameter shards: fp32 weights, fp32 gradients, AdamW's two fp32
-moments, and FSDP's gathered bf16 copies of up to two blocks at a time (prefetch). A parameter's
-gathered copy is its local shard times the ranks FSDP shards it over (rank 0's shard is the
-largest, so this is FSDP's padded size): the rank's tensor-parallel slice, or the whole tensor where
-TP replicates it (norms, an MoE layer's router and routed experts). FSDP shards a block over
-dp_shard x cp ranks; under expert parallelism an MoE layer's routed experts are sharded apart, over
-the dp_shard x cp / ep ranks that EP leaves, so a rank gathers only its own n_experts / ep experts.
+Exact, from the rank's own parameter shards: fp32 weights, fp32 gradients, the optimizer's state
+(AdamW's two moments, Muon's one momentum buffer, in optimizer.state_dtype), and FSDP's gathered
+bf16 copies of up to two blocks at a time (prefetch). A parameter's gathered copy is its local shard
+times the ranks FSDP shards it over (rank 0's shard is the largest, so this is FSDP's padded size):
+the rank's tensor-parallel slice, or the whole tensor where TP replicates it (norms, an MoE layer's
+router and routed experts). FSDP shards a block over dp_shard x cp ranks; under expert parallelism
+an MoE layer's routed experts are sharded apart, over the dp_shard x cp / ep ranks that EP leaves,
+so a rank gathers only its own n_experts / ep experts.
 
 Estimated, the activations kept for backward, per token of a micro-batch on this rank:
 
@@ -37,8 +38,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from configs import UserError
+from configs.schema import Optimizer
 from models.moe import moe_layers
 from models.spec import multi_token_prediction
+from parallelisms.wrapper_names import original_name
+from training.optimizer import parameter_roles
 
 ACTIVATION_BYTES_PER_FFN = 6.6
 GIB = 2**30
@@ -101,13 +105,21 @@ def estimate(
     ep: int = 1,
     *,
     tail: tuple[str, ...],
+    optimizer: Optimizer | None = None,
 ) -> MemoryEstimate:
     """tokens_per_micro_batch: this rank's (local batch x local sequence length); fsdp_ranks: the
     ranks FSDP shards each block over (dp_shard x cp), 0 without FSDP; ep: the expert-parallel
     degree; with pipeline parallelism 1F1B keeps up to pp micro-batches in flight
     (in_flight_micro_batches); tail: the modules after the blocks (ModelSpec.tail), whose holder
-    keeps the logits."""
+    keeps the logits; optimizer: its config (None: AdamW with float32 moments)."""
     local = sum(local_numel(p) for part in model_parts for p in part.parameters())
+    optimizer = optimizer or Optimizer()
+    state_bytes = torch.empty((), dtype=getattr(torch, optimizer.state_dtype)).element_size()
+    states = 0
+    for part in model_parts:  # Muon keeps one state tensor per parameter, AdamW two
+        roles = parameter_roles(part, optimizer)
+        states += sum((1 if roles[original_name(n)] == "muon" else 2) * local_numel(p)
+                      for n, p in part.named_parameters() if p.requires_grad)  # fmt: skip
     blocks = [block for part in model_parts for block in part.layers.values()]
     block_gathered = max((gathered_numel(block, fsdp_ranks, ep) for block in blocks), default=0)
     per_layer = [block_activation_bytes(block, args, tp) for block in blocks]
@@ -123,7 +135,7 @@ def estimate(
         parameters=local,
         weights_gib=4 * local / GIB,
         gradients_gib=4 * local / GIB,
-        optimizer_gib=8 * local / GIB,
+        optimizer_gib=state_bytes * states / GIB,
         gathered_gib=2 * 2 * block_gathered / GIB,
         activations_gib=activations / GIB,
     )
@@ -142,7 +154,8 @@ def for_config(
         in_flight = dims.pp - min(stage_indices) if one_f_one_b else dims.pp
     fsdp_ranks = dims.dp_shard * dims.cp if dims.fsdp_enabled else 0
     return estimate(model_parts, args, tokens, dims.tp, fsdp_ranks,
-                    config.activation_checkpoint.mode, in_flight, dims.ep, tail=tail)  # fmt: skip
+                    config.activation_checkpoint.mode, in_flight, dims.ep, tail=tail,
+                    optimizer=config.optimizer)  # fmt: skip
 
 
 def check_fits(estimate: MemoryEstimate, device: torch.device, local_processes: int) -> None:
