@@ -80,6 +80,7 @@ from training.model_setup import build_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
 from training.optimizer import Optimizers
 from training.profiling import StepProfiler
+from training.qk_clip import qk_clip_for
 from training.step import StepRunner
 from training.stop_signals import StopSignals
 from training.validation import Validator
@@ -110,7 +111,11 @@ def train(config: JobConfig) -> int:
         f"model {model.spec.name} {config.model.flavor}: {model.num_params:,} parameters on {device}, "
         f"{dims.describe()}"
     )
-    optimizers = Optimizers(model.parts, config.optimizer, config.lr_scheduler, config.training.steps, device)
+    # MuonClip, if on: attention heads whose logits grew too large are scaled down after each update.
+    qk_clip = qk_clip_for(model.parts, config.optimizer.qk_clip_threshold, dims, mesh, device)
+    optimizers = Optimizers(
+        model.parts, config.optimizer, config.lr_scheduler, config.training.steps, device, qk_clip
+    )
 
     # Batches: global batch = local batch x data-parallel degree x gradient-accumulation steps.
     # Replica groups of fault tolerance (torchft) read their shares of one global batch, as HSDP's.

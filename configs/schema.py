@@ -228,9 +228,16 @@ class Optimizer(Section):
     """Name patterns of block matrices that AdamW updates under Muon (the router gates by default).
     Start-up prints which parameters get which."""
 
+    qk_clip_threshold: float = 0.0
+    """MuonClip (Kimi K2's QK-clip; any optimizer): after each step, the query and key weights of
+    every attention head whose largest logit exceeded this are scaled so it would not have (Kimi
+    K2: 100); 0 = off. llama3, qwen3 (through the shared QK-norm weights) and deepseek_v3; costs one
+    more QK^T product per attention in forward (training/qk_clip.py); not with context parallelism."""
+
     def check(self, section: str) -> None:
         require(section, self, [
             ("lr", self.lr > 0 and math.isfinite(self.lr), "must be a positive number"),
+            ("qk_clip_threshold", self.qk_clip_threshold >= 0, "must be >= 0 (0 = off)"),
             ("beta1", 0 <= self.beta1 < 1, "must be in [0, 1)"),
             ("beta2", 0 <= self.beta2 < 1, "must be in [0, 1)"),
             ("eps", self.eps > 0, "must be > 0"),

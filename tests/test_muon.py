@@ -246,3 +246,75 @@ def test_memory_estimate_counts_the_optimizer_state():
         got = estimate([model], args, 64, 1, 0, "none", tail=spec.tail, optimizer=config)
         assert got.optimizer_gib * GIB == pytest.approx(state_bytes, rel=1e-9), (name, dtype)
     assert 0 < muon_numel < total
+
+
+def measured_maxima(model, tokens) -> torch.Tensor:
+    """Each attention layer's per-head largest logit in a forward of tokens (the hooks' record)."""
+    kernels = [m.kernel for m in model.modules() if hasattr(m, "qk_clip_scales")]
+    for kernel in kernels:
+        kernel.max_logits.fill_(float("-inf"))
+    with torch.no_grad():
+        model(tokens)
+    return torch.stack([kernel.max_logits.clone() for kernel in kernels])
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "deepseek_v3"])
+def test_qk_clip_brings_the_largest_logits_to_the_threshold(name):
+    """MuonClip: the hook's maxima are the causal logits' (checked against the full logits matrix
+    on one layer); after a clip the heads that exceeded the threshold peak at it on the same tokens
+    (Llama 3, MLA: per head, the others untouched; Qwen3: every head by the shared norms' factor,
+    the largest at the threshold; checked on the first layer, whose input the clip leaves alone),
+    and a skipped step clips nothing."""
+    from training.qk_clip import QKClip, max_logits
+
+    torch.manual_seed(0)
+    spec = get_model_spec(name)
+    args = model_args(spec, "tiny", 16, 258, ["n_layers=2"] if name != "deepseek_v3" else [])
+    with torch.device("meta"):
+        model, template = spec.model_cls(args), spec.model_cls(args)
+    materialize(model, "cpu")
+    init_weights(model, template, seed=0)
+    model.init_buffers()
+    clip = QKClip([model], threshold=float("inf"), device=torch.device("cpu"))
+    tokens = torch.randint(0, 258, (2, 16))
+    before = measured_maxima(model, tokens)
+    # The first layer (whose input a clip leaves as it was): some heads above, some below.
+    clip.threshold = threshold = before[0].median().item()
+    q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+    full = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) / 8**0.5
+    causal = full.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(max_logits(q, k), causal.amax(dim=(0, 2, 3)))
+    assert (before[0] > threshold).any() and (before[0] < threshold).any()
+    measured_maxima(model, tokens)
+    clip.after_step(skip=torch.tensor(1.0))
+    torch.testing.assert_close(measured_maxima(model, tokens), before)  # skipped: nothing clipped
+    clip.after_step()
+    after = measured_maxima(model, tokens)[0]
+    if name == "qwen3":  # every head by the factor of the largest
+        torch.testing.assert_close(after, before[0] * threshold / before[0].max(), rtol=1e-5, atol=0)
+    else:
+        torch.testing.assert_close(after, before[0].clamp(max=threshold), rtol=1e-5, atol=0)
+
+
+def probe_norms(model: str, threshold: str, nproc: int, overrides: list[str]) -> dict[str, dict[str, float]]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(REPO / "tests/qk_clip_probe.py"), "--model.name", model,
+               "--optimizer.qk_clip_threshold", threshold, *overrides]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    norms = {"before": {}, "after": {}}
+    for when, name, value in re.findall(r"^(before|after) (\S+) (\S+)$", result.stdout, re.MULTILINE):
+        norms[when][name] = float(value)
+    return norms
+
+
+@pytest.mark.parametrize("model, threshold", [("llama3", "4"), ("qwen3", "4"), ("deepseek_v3", "0.5")])
+def test_qk_clip_under_fsdp_and_tp_equals_one_process(model, threshold):
+    """MuonClip at FSDP 2 x TP 2 (tests/qk_clip_probe.py): the logit maxima gathered over TP's heads
+    and reduced over the data-parallel ranks, the scales applied through FSDP's strided shards: the
+    clipped query and key weights of one process (which did clip)."""
+    one = probe_norms(model, threshold, 1, [])
+    sharded = probe_norms(model, threshold, 4, ["--parallelism.tensor_parallel_degree", "2"])
+    assert one["after"] and any(one["after"][n] < 0.99 * one["before"][n] for n in one["after"])
+    assert sharded["after"] == pytest.approx(one["after"], rel=1e-6)

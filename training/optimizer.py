@@ -19,6 +19,7 @@ from training import bf16_weights
 from training.adamw import AdamW
 from training.grad_clip import group_by_mesh, scale_grads_
 from training.muon import Muon
+from training.qk_clip import QKClip
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,10 @@ class Optimizers:
         schedule: LRScheduler,
         steps: int,
         device: torch.device,
+        qk_clip: QKClip | None = None,
     ):
         self.parts = [build_optimizer(part, config, device) for part in model_parts]
+        self.qk_clip = qk_clip  # MuonClip: clips attention heads after each update
         self.peak_lr, self.schedule, self.steps = config.lr, schedule, steps
         self.peak_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in self.parts]
         self.bf16_copies = {w: c for part in model_parts for w, c in bf16_weights.copies(part).items()}
@@ -188,6 +191,8 @@ class Optimizers:
                     scale_grads_([p for group in optimizer.param_groups for p in group["params"]], clip)
                 if skip is None or not skip.item():
                     optimizer.step()
+        if self.qk_clip is not None:
+            self.qk_clip.after_step(skip)
         self._refresh_copies()
 
     @torch.no_grad()

@@ -151,6 +151,20 @@ class Attention(nn.Module):
         self.kernel = LatentAttentionKernel()
         # The kernel scales logits by qk_head_dim^-1/2; YaRN's temperature multiplies the queries.
         self.query_scale = attention_temperature(args.yarn())
+        self.n_heads = args.n_heads
+
+    def qk_clip_scales(self, clip: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scales along dim 0 that multiply head h's attention logits by clip[h] (MuonClip,
+        training/qk_clip.py; Kimi K2's for MLA): the head's no-RoPE query and key rows (of the query
+        projection and of wkv_b) by its square root, its RoPE query rows by the whole factor; the
+        RoPE key, which every head shares (wkv_a), and the values stay."""
+        root = clip.sqrt()[:, None]
+        query = torch.cat([root.expand(-1, self.nope_dim), clip[:, None].expand(-1, self.rope_dim)], dim=1)
+        key_value = torch.cat(
+            [root.expand(-1, self.nope_dim), torch.ones_like(root).expand(-1, self.v_dim)], dim=1
+        )
+        projection = "wq.weight" if hasattr(self, "wq") else "wq_b.weight"
+        return {projection: query.flatten(), "wkv_b.weight": key_value.flatten()}
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None

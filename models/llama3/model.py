@@ -98,6 +98,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.kernel = CausalAttentionKernel()
+        self.n_heads = args.n_heads
+
+    def qk_clip_scales(self, clip: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scales along dim 0 of the query and key weights that multiply head h's attention logits
+        by clip[h] (MuonClip, training/qk_clip.py): a key head, which a group of query heads share,
+        takes the square root of its group's smallest factor, each query head the rest."""
+        group = self.n_heads * self.head_dim // self.wk.weight.shape[0]
+        key = clip.view(-1, group).amin(dim=1).sqrt()
+        query = clip / key.repeat_interleave(group)
+        return {
+            "wq.weight": query.repeat_interleave(self.head_dim),
+            "wk.weight": key.repeat_interleave(self.head_dim),
+        }
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None

@@ -62,6 +62,15 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps)
         self.kernel = CausalAttentionKernel()
+        self.n_heads = args.n_heads
+
+    def qk_clip_scales(self, clip: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Scales of the QK-norm weights that multiply head h's attention logits by at most clip[h]
+        (MuonClip, training/qk_clip.py). The norms normalize each head's query and key, so their
+        weights, which every head shares, set the logits' scale: each takes the square root of the
+        smallest factor, and every head's logits shrink by that factor."""
+        shared = clip.min().sqrt()
+        return {name: shared.expand(self.head_dim) for name in ("q_norm.weight", "k_norm.weight")}
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
