@@ -129,6 +129,12 @@ BF16_LAYOUTS = {
     "bf16_autocast": (1, ["--training.local_batch_size", "8", "--training.bf16_weight_copies", "false"], ()),
     "bf16_copies_compile": (1, ["--training.local_batch_size", "8", "--compile.enable"], ()),
     "bf16_copies_accumulate": (1, ["--training.local_batch_size", "4"], ()),  # gradients add up in bf16
+    # Muon (Newton-Schulz in bf16, as on every GPU run): sharded by FSDP, and on the copies (the
+    # reference) against autocast
+    "bf16_fsdp2_muon": (2, ["--training.local_batch_size", "4", "--optimizer.name", "Muon"],
+                        ("--optimizer.name", "Muon")),
+    "bf16_muon_autocast": (1, ["--training.local_batch_size", "8", "--optimizer.name", "Muon",
+                               "--training.bf16_weight_copies", "false"], ("--optimizer.name", "Muon")),
     # float8 layers on their float32 weights against float8 on the bf16 copies (the reference)
     "bf16_float8_autocast": (1, ["--training.local_batch_size", "8", "--float8.enable",
                                  "--training.bf16_weight_copies", "false"], ("--float8.enable",)),

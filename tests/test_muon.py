@@ -166,6 +166,7 @@ def test_muon_optimizers_train_and_schedule_both_groups():
     assert {s["exp_avg"].dtype for s in states if "exp_avg" in s} == {torch.bfloat16}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [["--parallelism.tensor_parallel_degree", "2"],
@@ -309,6 +310,7 @@ def probe_norms(model: str, threshold: str, nproc: int, overrides: list[str]) ->
     return norms
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, threshold", [("llama3", "4"), ("qwen3", "4"), ("deepseek_v3", "0.5")])
 def test_qk_clip_under_fsdp_and_tp_equals_one_process(model, threshold):
     """MuonClip at FSDP 2 x TP 2 (tests/qk_clip_probe.py): the logit maxima gathered over TP's heads
