@@ -2,7 +2,7 @@
 
     model.<name>       every parameter under the full model's name (sharded DTensors are saved as
                        their shards and reassembled or resharded on load by DCP)
-    optimizer.<...>    AdamW state and hyperparameters per parameter name (flattened)
+    optimizer.<...>    the optimizer's state and settings per parameter name (flattened)
     train              step, tokens seen, RNG states, the model's identity (plain Python object)
     dataloader         the global sample cursor (data/loader.py), identical on every rank
 
