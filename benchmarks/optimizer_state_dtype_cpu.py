@@ -13,8 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = {  # name: optimizer overrides (lrs near the best of benchmarks/muon_vs_adamw_cpu.py's sweep)
-    "AdamW-float32": ["--optimizer.lr", "3e-3"],
-    "AdamW-bfloat16": ["--optimizer.lr", "3e-3", "--optimizer.state_dtype", "bfloat16"],
+    "AdamW-float32": ["--optimizer.lr", "1e-3"],
+    "AdamW-bfloat16": ["--optimizer.lr", "1e-3", "--optimizer.state_dtype", "bfloat16"],
     "Muon-float32": ["--optimizer.name", "Muon", "--optimizer.lr", "1e-2"],
     "Muon-bfloat16": [
         "--optimizer.name",
