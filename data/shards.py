@@ -18,14 +18,16 @@ FORMAT = "recipe-token-shards-v1"
 
 
 def write_meta(
-    folder: Path, dtype: str, vocab_size: int, eos_id: int, tokenizer: str, shards: list[dict]
-) -> None:
+    folder: Path, dtype: str, vocab_size: int, eos_id: int, tokenizer: str, tokenizer_id: str,
+    shards: list[dict],
+) -> None:  # fmt: skip
     meta = {
         "format": FORMAT,
         "dtype": dtype,
         "vocab_size": vocab_size,
         "eos_id": eos_id,
-        "tokenizer": tokenizer,
+        "tokenizer": tokenizer,  # where it came from (model.hf_assets_path), for people
+        "tokenizer_id": tokenizer_id,  # what it is (data/tokenizer.py identity), checked on use
         "shards": shards,  # [{"file": "tokens-00000.bin", "num_tokens": N}, ...]
     }
     (folder / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -1,5 +1,6 @@
 """Tokenizers: a Hugging Face tokenizer.json (tokenizers library), or the built-in byte tokenizer."""
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Protocol
@@ -13,6 +14,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int
     bos_id: int | None
+    identity: str  # "bytes", or "sha256:<hex>" of tokenizer.json
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -27,6 +29,7 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    identity = "bytes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -52,6 +55,9 @@ class HFTokenizer:
         path = Path(folder) / "tokenizer.json"
         if not path.is_file():
             raise UserError(f"model.hf_assets_path: no tokenizer.json in '{folder}'")
+        # What token shards and checkpoints record of the tokenizer: its file's hash, so that
+        # another tokenizer of the same vocabulary size is told apart.
+        self.identity = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
         try:
             self._tokenizer = _Tokenizer.from_file(str(path))
         except Exception as e:  # the library raises a bare Exception on malformed files

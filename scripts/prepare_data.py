@@ -65,7 +65,10 @@ def prepare(args: argparse.Namespace) -> None:
     if pending_tokens:
         flush()
     tokenizer_name = args.hf_assets_path or "byte"
-    write_meta(partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name, shards)
+    write_meta(
+        partial, np.dtype(dtype).name, tokenizer.vocab_size, tokenizer.eos_id, tokenizer_name,
+        tokenizer.identity, shards,
+    )
     partial.rename(output)
     total = sum(s["num_tokens"] for s in shards)
     files = f"{len(shards)} shard{'s' * (len(shards) != 1)}"
