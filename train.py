@@ -66,6 +66,7 @@ import torch
 from checkpoint.manager import Checkpointer
 from checkpoint.state import TrainState
 from data.loader import build_dataloader, plan_batches
+from data.tokenizer import describe as describe_tokenizer
 from models.spec import multi_token_prediction
 from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
@@ -126,10 +127,13 @@ def train(config: JobConfig) -> int:
     tokens_per_step = global_batch * config.training.seq_len
     dataloader = build_dataloader(  # with multi-token prediction each sample holds the tokens ahead too
         config.training, model.tokenizer, global_batch, dp_rank, dp_degree, pin_memory=device.type == "cuda",
-        extra_tokens=multi_token_prediction(model.args)[0],
+        extra_tokens=multi_token_prediction(model.args)[0], seed=config.job.seed,
+        prefetch_steps=config.training.prefetch_steps,  # read by a thread while steps run
     )  # fmt: skip
+    tokenizer = describe_tokenizer(model.tokenizer, config.model.hf_assets_path)
+    logger.info(f"data: {dataloader.summary()}; tokenizer: {tokenizer}")  # what this run reads
     validator = Validator(
-        config.validation, config.training, model.tokenizer, global_batch, dp_rank, dp_degree
+        config.validation, config.training, model.tokenizer, global_batch, dp_rank, dp_degree, config.job.seed
     )
     step_runner = StepRunner(  # a loss normalized by the tokens of the samples the update uses
         model, dims, mesh, config, device, fault_tolerance.loss_batch(global_batch), accumulation_steps,
@@ -214,7 +218,7 @@ def train(config: JobConfig) -> int:
             if metrics.due(step):  # the only step-end reads of the device: every log_freq steps
                 nonfinite_guard.check()
                 loss, extra = step_runner.global_losses(step_loss)  # and each MTP depth's apart
-                extra |= expert_balance.statistics()
+                extra |= expert_balance.statistics() | dataloader.accounting()  # samples per source
                 if config.metrics.log_sample_ids:
                     extra["sample_ids"] = distributed.gather_sample_ids(micro_batches, mesh["dp"].get_group())
                 metrics.log(step, loss, read_float(grad_norm), lr, extra)
@@ -233,6 +237,7 @@ def train(config: JobConfig) -> int:
                 break
 
     nonfinite_guard.check()
+    dataloader.close()  # stops reading ahead
     checkpointer.close()
     metrics.close()
     fault_tolerance.close()

@@ -95,6 +95,8 @@ def resume(
     state = checkpointed.state(parts)
     if "optimizer" in parts:
         state["optimizer"] = optimizer_state_to_read(path, saved, state["optimizer"])
+    if "dataloader" in parts:  # a data state written before a key existed (e.g. "data") lacks it
+        state["dataloader"] = {k: v for k, v in state["dataloader"].items() if f"dataloader.{k}" in saved}
     prepared = time.perf_counter() - start
     # The checksums are checked while DCP reads the same files: one pass over the disk instead
     # of two (18 GB on the H200 machine: 10.1 s, against 14.0 s one after the other). A damaged

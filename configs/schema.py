@@ -93,7 +93,31 @@ class Training(Section):
     hf: a Hugging Face `datasets` dataset by name (dataset_path), streamed; needs the package."""
 
     dataset_path: str = ""
-    """Where the data is, for dataset = text, tokens or hf (see dataset)."""
+    """Where the data is, for dataset = text, tokens or hf (see dataset). For tokens, several shard
+    folders separated by commas ("web,code,math") make a mixture (dataset_weights); each source is
+    named by its folder's last component (docs/data.md)."""
+
+    dataset_weights: str = ""
+    """Weights of the token-shard folders of dataset_path, comma-separated in the same order
+    ("0.6,0.3,0.1"; normalized to sum 1); empty = equal. Each global sample's source follows from
+    the weights deterministically: every source stays within one sample of its share."""
+
+    shuffle: bool = True
+    """Token shards: read each source's samples in a seeded pseudo-random order (job.seed), a new
+    one each epoch; false = in the order they lie on disk. Text sources are read in order."""
+
+    allow_data_change: bool = False
+    """On resume, accept other token-shard sources, weights, sizes, shuffling or seed than the
+    checkpoint's: each source continues from the samples it gave, the new weights apply from the
+    resumed step. Without it such a resume is refused."""
+
+    allow_tokenizer_change: bool = False
+    """Accept token shards written with another tokenizer (of the same vocabulary size) than
+    model.hf_assets_path's: their ids then mean other tokens."""
+
+    prefetch_steps: int = 2
+    """Steps of micro-batches read ahead by a background thread while a step runs (pinned memory
+    on CUDA); 0 = read each step when it starts. Neither the samples nor the data state change."""
 
     dataset_text_field: str = "text"
     """Field holding the document text in .jsonl/.parquet rows and HF datasets."""
@@ -157,6 +181,7 @@ class Training(Section):
             ("steps", self.steps >= 1, "must be >= 1"),
             ("max_norm", self.max_norm >= 0, "must be >= 0 (0 disables clipping)"),
             ("max_skipped_steps", self.max_skipped_steps >= 0, "must be >= 0"),
+            ("prefetch_steps", self.prefetch_steps >= 0, "must be >= 0 (0 reads each step when it starts)"),
             ("dataset_path", self.dataset == "python_docs" or self.dataset_path != "",
              f"is required when training.dataset = '{self.dataset}'"),
         ])  # fmt: skip

@@ -35,13 +35,36 @@ BATCH_CHARACTERS = 2**20
 
 
 class PackedTextStream:
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, extra_tokens: int = 0):
+    start = START
+
+    def __init__(
+        self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, extra_tokens: int = 0,
+        name: str = "text",
+    ):  # fmt: skip
         """extra_tokens: each sample also holds this many tokens past its labels (multi-token
-        prediction's tokens ahead, data/loader.py): sample k is tokens [k*L, k*L + L + extra]."""
+        prediction's tokens ahead, data/loader.py): sample k is tokens [k*L, k*L + L + extra].
+        name: the source's name in metrics (source_samples)."""
         self.source = source
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.extra_tokens = extra_tokens
+        self.name = name
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        files = getattr(self.source, "files", None)
+        if files is not None:
+            size = sum(f.stat().st_size for f in files)
+            where = f"{len(files):,} file{'s' * (len(files) != 1)}, {size / 2**20:,.1f} MiB"
+            return f"text '{self.name}' ({where}), tokenized while training, in order"
+        return f"text '{self.name}', streamed and tokenized while training, in order"
+
+    def data_state(self) -> dict:
+        return {"kind": "text"}
+
+    def counts(self, anchor: Position, cursor: int) -> dict[str, dict[str, int]]:
+        """Samples read (the cursor) and the epoch (at the step's start), for metrics.jsonl."""
+        return {"source_samples": {self.name: cursor}, "source_epochs": {self.name: anchor[0] + 1}}
 
     def _tokenized_documents(self, epoch: int, start: SourcePosition | None) -> Iterator:
         """(epoch, source position, tokens + EOS) for each document from `start` on, epoch after epoch."""
@@ -84,7 +107,9 @@ class PackedTextStream:
             while len(pieces) > 1 and pieces[1][0] <= buffer_start:
                 pieces.pop(0)
 
-    def restart_point(self, anchor_token: int, saved: list | None) -> tuple[int, Position]:
+    def restart_point(
+        self, anchor_token: int, saved: list | None, saved_data: dict | None = None, cursor: int = 0
+    ) -> tuple[int, Position]:  # fmt: skip
         """(anchor token, position) to restart from, given what a data state saved.
 
         Checkpoints written before positions were source-specific hold [epoch, document index,
@@ -92,7 +117,7 @@ class PackedTextStream:
         A state saved while reading token shards holds no stream position: reading starts at the
         stream's start and skips to the cursor.
         """
-        if saved is None:
+        if saved is None or (saved_data is not None and saved_data.get("kind") != "text"):
             logger.warning(
                 "the data state was saved reading token shards: reading the text stream from its start "
                 f"up to token {anchor_token} to continue"

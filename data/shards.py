@@ -2,12 +2,11 @@
 
 A folder holds meta.json and raw little-endian token files (uint16 when the vocabulary fits, else
 uint32). The files together are one token stream; sample k is tokens [k*L, k*L + L] of it, read
-directly, so every rank reads only its own samples. Past the end the stream starts again (epochs).
+directly, so every rank reads only its own samples. The order in which samples are read (mixtures,
+shuffling, epochs) is data/mixture.py's.
 """
 
 import json
-from collections.abc import Iterator
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -81,15 +80,34 @@ class TokenShards:
             shard += 1
         return np.concatenate(pieces).astype(np.int64)
 
-    def samples(self, first_sample: int, anchor_token: int, anchor: None) -> Iterator[tuple]:
-        """PackedTextStream.samples for shards: no stream position is needed (it is None), and
-        tokens are read only for the samples a rank keeps (the third item is a function that reads
-        them)."""
-        k = first_sample
-        while True:
-            yield k, None, partial(self.sample, k)
-            k += 1
 
-    def restart_point(self, anchor_token: int, saved) -> tuple[int, None]:
-        """Samples are read directly: a saved stream position (from a text source) is not needed."""
-        return anchor_token, None
+def check_tokenizer(sources: dict[str, "TokenShards"], tokenizer, allow_change: bool = False) -> None:
+    """The sources agree on the tokenizer and dtype, and it is the run's (model.hf_assets_path):
+    the same vocabulary size, and the same tokenizer file (its hash, recorded in meta.json since
+    tokenizer identities exist; training.allow_tokenizer_change accepts another)."""
+    names = list(sources)
+    first = sources[names[0]].meta
+    for name in names[1:]:
+        meta = sources[name].meta
+        for key, what in (
+            ("dtype", "dtype"),
+            ("vocab_size", "vocabulary size"),
+            ("tokenizer_id", "tokenizer"),
+        ):
+            if meta.get(key) != first.get(key) and (key != "tokenizer_id" or not allow_change):
+                raise UserError(
+                    f"token-shard sources '{names[0]}' and '{name}' differ in {what} ({first.get(key)} "
+                    f"and {meta.get(key)}): prepare every source with the same tokenizer"
+                )
+    if first["vocab_size"] != tokenizer.vocab_size:
+        raise UserError(
+            f"the token shards of '{names[0]}' were made with a tokenizer of {first['vocab_size']} "
+            f"tokens ({first['tokenizer']}), but model.hf_assets_path gives one of {tokenizer.vocab_size}"
+        )
+    recorded = first.get("tokenizer_id")  # absent in shards written before identities
+    if recorded is not None and recorded != tokenizer.identity and not allow_change:
+        raise UserError(
+            f"the token shards of '{names[0]}' were made with another tokenizer ({first['tokenizer']}, "
+            f"{recorded[:19]}...) than model.hf_assets_path's ({tokenizer.identity[:19]}...) of the "
+            "same vocabulary size; set training.allow_tokenizer_change to train on them anyway"
+        )

@@ -92,6 +92,12 @@ class HFTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def describe(tokenizer: Tokenizer, hf_assets_path: str) -> str:
+    """One line for the start-up log."""
+    what = f"{hf_assets_path}/tokenizer.json" if hf_assets_path else "the byte tokenizer"
+    return f"{what} ({tokenizer.vocab_size:,} tokens, end of document {tokenizer.eos_id})"
+
+
 def check_token_ids(tokenizer: Tokenizer, tokens: np.ndarray, where: str) -> None:
     """Ids past the vocabulary would index past the embedding table (or wrap in uint16 shards)."""
     if len(tokens) and (tokens.max() >= tokenizer.vocab_size or tokens.min() < 0):

@@ -158,3 +158,25 @@ def single_process_runs(tmp_path_factory):
         return made[tuple(args)]
 
     return run
+
+
+def write_token_source(folder: Path, tokens, tokenizer_id: str = "bytes", dtype: str = "uint16",
+                       vocab_size: int = 258) -> Path:  # fmt: skip
+    """A token-shard folder as scripts/prepare_data.py writes it, holding `tokens` (one shard)."""
+    import numpy as np
+
+    from data.shards import write_meta
+
+    folder.mkdir(parents=True)
+    np.asarray(tokens).astype(dtype).tofile(folder / "tokens-00000.bin")
+    shards = [{"file": "tokens-00000.bin", "num_tokens": len(tokens)}]
+    write_meta(folder, dtype, vocab_size, vocab_size - 1, "test", tokenizer_id, shards)
+    return folder
+
+
+def write_mixture(root: Path, sizes: dict[str, int], seed: int = 0) -> list[Path]:
+    """Token-shard sources of random byte tokens, `sizes[name]` tokens each, under root."""
+    import numpy as np
+
+    generator = np.random.default_rng(seed)
+    return [write_token_source(root / name, generator.integers(0, 256, size)) for name, size in sizes.items()]

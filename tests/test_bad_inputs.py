@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, run_train, write_mixture, write_token_source
 
 from parallelisms.compile import COMPILED_CHECKPOINT_FAILS_WITH_TP
 
@@ -84,6 +84,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "field").mkdir()
     (root / "field" / "docs.jsonl").write_text(json.dumps({"content": "text under another name"}) + "\n")
     write_bad_corpora(root)
+    write_mixture(root / "mix", {"web": 4000, "code": 4000})
+    write_mixture(root / "other", {"web": 4000})
+    write_token_source(root / "wide", [1, 2, 3] * 1000, dtype="uint32")
+    write_token_source(root / "foreign", [1, 2, 3] * 1000, tokenizer_id="sha256:" + "0" * 64)
+    write_token_source(root / "vocab", [1, 2, 3] * 1000, vocab_size=32000)
     (root / "no_tokenizer").mkdir()
     (root / "no_meta").mkdir()
     (root / "a_file").write_text("not a folder")
@@ -235,6 +240,22 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
          "has no meta.json"),
         ("truncated shard", ["--training.dataset", "tokens", "--training.dataset_path", str(root / "shards")],
          "is missing or truncated"),
+        *[(f"mixture: {name}", ["--training.dataset", "tokens", "--training.dataset_path",
+                                ",".join(str(root / f) for f in folders), *extra], expected)
+          for name, folders, extra, expected in [
+              ("weights count", ["mix/web", "mix/code"], ["--training.dataset_weights", "1,2,3"],
+               "training.dataset_weights has 3 weights for 2 sources"),
+              ("negative weight", ["mix/web", "mix/code"], ["--training.dataset_weights", "1,-2"],
+               "must be finite and >= 0"),
+              ("zero weights", ["mix/web", "mix/code"], ["--training.dataset_weights", "0,0"], "are all zero"),
+              ("missing folder", ["mix/web", "mix/nothing"], [], "mix/nothing' has no meta.json"),
+              ("repeated name", ["mix/web", "other/web"], [], "names two sources 'web'"),
+              ("mixed dtypes", ["mix/web", "wide"], [], "differ in dtype (uint16 and uint32)"),
+              ("another tokenizer in the mix", ["mix/web", "foreign"], [], "differ in tokenizer"),
+              ("another tokenizer", ["foreign"], [], "were made with another tokenizer"),
+              ("another vocabulary", ["vocab"], [], "made with a tokenizer of 32000 tokens"),
+          ]],
+        ("weights for text", ["--training.dataset_weights", "1,2"], "mixes token-shard folders"),
         ("unwritable dump folder", ["--job.dump_folder", str(root / "a_file" / "run")], "cannot be written"),
         ("validation data", ["--validation.enable", "--validation.dataset", "text"],
          "validation.dataset_path is required"),

@@ -1,7 +1,8 @@
 """Checkpointing: exact resume, resharding across layouts, atomic saves, preemption, bad checkpoints.
 
 All through real `train.py` runs (fp32, CPU). The reference is one uninterrupted single-process
-run of 10 steps that also saves at step 5.
+run of 10 steps that also saves at step 5. The runs read a shuffled mixture of three token-shard
+sources, one of them in its third epoch by the end: the data order is part of what must resume.
 """
 
 import hashlib
@@ -12,17 +13,34 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, children, descendants, fake_slurm, read_metrics, run_train, start_train
+from conftest import (
+    REPO,
+    TINY,
+    children,
+    descendants,
+    fake_slurm,
+    read_metrics,
+    run_train,
+    start_train,
+    write_mixture,
+)
 
 STEPS = 10
+# 80 samples of 32 tokens over 10 steps, weights 5:3:2: 'small' (6 samples) is in its third epoch.
+SOURCES = write_mixture(
+    Path(tempfile.mkdtemp(prefix="checkpoint-data-")), {"web": 3201, "code": 1281, "small": 193}
+)
+MIXTURE = ["--training.dataset", "tokens", "--training.dataset_path", ",".join(map(str, SOURCES)),
+           "--training.dataset_weights", "5,3,2"]  # fmt: skip
 # Global batch 8, checkpoints every 5 steps, sample ids recorded.
-COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--checkpoint.enable",
-          "--checkpoint.interval", "5", "--metrics.log_sample_ids"]  # fmt: skip
+COMMON = [*TINY, *MIXTURE, "--training.steps", str(STEPS), "--training.global_batch_size", "8",
+          "--checkpoint.enable", "--checkpoint.interval", "5", "--metrics.log_sample_ids"]  # fmt: skip
 SINGLE = ["--training.local_batch_size", "8"]
 
 
@@ -72,8 +90,12 @@ def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
     for step, record in got.items():
         assert record["loss"] == pytest.approx(want[step]["loss"], rel=rel, abs=0), step
         # The global order continues on any number of data-parallel ranks: step s reads samples
-        # [(s - 1) x 8, s x 8) wherever they are.
+        # [(s - 1) x 8, s x 8) wherever they are, each source's next ones.
         assert record["sample_ids"] == want[step]["sample_ids"] == list(range((step - 1) * 8, step * 8)), step
+        assert record["source_samples"] == want[step]["source_samples"], step
+        assert record["source_epochs"] == want[step]["source_epochs"], step
+    assert got[STEPS]["source_samples"] == {"web": 40, "code": 24, "small": 16}
+    assert got[STEPS]["source_epochs"]["small"] >= 3  # (4 with multi-token prediction's longer samples)
 
 
 @pytest.mark.slow
@@ -88,8 +110,9 @@ def assert_continues(resumed: Path, reference: Path, rel: float) -> None:
             ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2"],
         ),
         ("single", 2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
+        ("fsdp2", None, ["--training.local_batch_size", "8"]),
     ],
-    ids=["fsdp2-to-fsdp2xtp2", "pp2-to-fsdp4", "single-to-hsdp2x2", "single-to-cp2"],
+    ids=["fsdp2-to-fsdp2xtp2", "pp2-to-fsdp4", "single-to-hsdp2x2", "single-to-cp2", "fsdp2-to-single"],
 )
 def test_resume_on_another_layout(source, nproc, overrides, reference, sources, tmp_path):
     folder = resume_from(reference if source == "single" else sources[source], tmp_path)

@@ -12,6 +12,7 @@ from conftest import REPO
 
 from configs import UserError, load_config
 from data.loader import GlobalSampleOrder, build_dataloader, build_source
+from data.mixture import ShardMixture
 from data.packing import START, PackedTextStream
 from data.shards import TokenShards
 from data.sources import SAMPLE_CORPUS, TextFiles, build_document_source, find_text_files
@@ -345,8 +346,8 @@ def test_resume_deep_in_a_large_corpus_parses_only_what_it_reads(tmp_path, monke
     position = next(p for i, (p, _) in enumerate(source.documents()) if i == resume_at)
     state = {**loader.state_dict(), "cursor": resume_at, "anchor_token": resume_at * 16}
     state["anchor_position"] = [0, position, 0]
+    loader.load_state_dict(state)  # reads nothing yet: reading restarts at the first step
     counts = count_documents_decoded(monkeypatch)
-    loader.load_state_dict(state)
     batches = loader.next_step()
     assert counts["decoded"] == 10  # documents resume_at to the end of the file, and none before
     assert [i for b in batches for i in b["sample_ids"].tolist()] == list(range(resume_at, resume_at + 4))
@@ -425,10 +426,11 @@ def test_prepared_shards_hold_the_same_samples_as_the_text_stream(tmp_path):
         np.testing.assert_array_equal(window, TokenShards(str(output), 64, extra_tokens=2).sample(k))
         np.testing.assert_array_equal(window[:65], shards.sample(k))
         assert len(window) == 67
-    # A state saved reading the shards holds no stream position; the text stream continues from it.
-    from_shards = GlobalSampleOrder(shards, 64, 4, 0, 1)
+    # A state saved reading the shards (in order) holds no stream position; the text stream
+    # continues from it, at the same sample.
+    from_shards = GlobalSampleOrder(ShardMixture([str(output)], [1.0], 64, 0, False, 0), 64, 4, 0, 1)
     run_steps(from_shards, 3, 4)
-    assert from_shards.state_dict()["anchor_position"] is None
+    assert json.loads(from_shards.state_dict()["data"])["kind"] == "tokens"
     text = GlobalSampleOrder(stream, 64, 4, 0, 1)
     text.load_state_dict(from_shards.state_dict())
     for (a, b), _ in zip(zip(text, from_shards), range(8)):
@@ -455,3 +457,19 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path, hf_assets):
     training = training_config("--training.dataset", "tokens", "--training.dataset_path", str(output))
     with pytest.raises(UserError, match="made with a tokenizer of 258 tokens"):
         build_source(training, build_tokenizer(str(hf_assets)))
+
+
+def test_a_checkpoint_of_another_tokenizer_is_refused_unless_allowed(hf_assets):
+    bytes_run = build_dataloader(training_config(), ByteTokenizer(), 4, 0, 1)
+    bytes_run.next_step()
+    state = bytes_run.state_dict()
+    assert state["tokenizer"] == "bytes"
+    hf = build_tokenizer(str(hf_assets))
+    assert hf.identity.startswith("sha256:") and len(hf.identity) == 71
+    with pytest.raises(UserError, match=r"trained with another tokenizer \(bytes\.\.\.\) than this run's \(sha256:"):
+        build_dataloader(training_config(), hf, 4, 0, 1).load_state_dict(state)
+    allowed = build_dataloader(training_config("--training.allow_tokenizer_change"), hf, 4, 0, 1)
+    allowed.load_state_dict(state)
+    assert allowed.next_step()[0]["sample_ids"].tolist() == [4, 5]
+    older = {k: v for k, v in state.items() if k not in ("tokenizer", "data")}  # written before both
+    build_dataloader(training_config(), hf, 4, 0, 1).load_state_dict(older)

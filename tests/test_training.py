@@ -24,7 +24,8 @@ from training.metrics import lookup_peak_tflops
 from training.optimizer import Optimizers, lr_factor
 from training.weight_init import init_weights, materialize
 
-METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib"}
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "memory_gib", "source_samples",
+               "source_epochs", "data_wait_ms"}  # fmt: skip
 
 
 def schedule(*argv):
@@ -264,6 +265,7 @@ def test_metrics_records(tmp_path):
         assert record["tps"] > 0 and record["memory_gib"] > 0 and record["mfu"] is None  # no peak on CPU
         assert record["tflops"] == pytest.approx(record["tps"] * flops_per_token / 1e12, rel=1e-2, abs=1e-3)
         assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+        assert record["source_samples"] == {"python_docs": record["step"] * 4} and record["data_wait_ms"] >= 0
     config = load_config(TINY)
     assert records[0]["lr"] == pytest.approx(config.optimizer.lr * lr_factor(3, 6, config.lr_scheduler))
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

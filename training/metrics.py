@@ -221,6 +221,10 @@ class MetricsLogger:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, record["step"])
+            read = record.get("source_samples", {})
+            total = max(sum(read.values()), 1)
+            for name, samples in read.items():  # each source's share of the samples read so far
+                self.tensorboard.add_scalar(f"data_share/{name}", samples / total, record["step"])
             self.tensorboard.flush()
 
     def close(self) -> None:
