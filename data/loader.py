@@ -256,7 +256,8 @@ def build_source(
         training.dataset_split,
     )
     name = training.dataset if training.dataset == "python_docs" else training.dataset_path
-    return PackedTextStream(documents, tokenizer, training.seq_len, extra_tokens, name=name)
+    allow_change = training.allow_data_change
+    return PackedTextStream(documents, tokenizer, training.seq_len, extra_tokens, name, allow_change)
 
 
 def plan_batches(training, dp_degree: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 
 from configs import UserError
-from data.sources import DocumentSource, SourcePosition
+from data.sources import DocumentSource, SourcePosition, corpus_changes
 from data.tokenizer import Tokenizer, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,19 @@ class PackedTextStream:
 
     def __init__(
         self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, extra_tokens: int = 0,
-        name: str = "text",
+        name: str = "text", allow_change: bool = False,
     ):  # fmt: skip
         """extra_tokens: each sample also holds this many tokens past its labels (multi-token
         prediction's tokens ahead, data/loader.py): sample k is tokens [k*L, k*L + L + extra].
-        name: the source's name in metrics (source_samples)."""
+        name: the source's name in metrics (source_samples); allow_change: resume in a corpus whose
+        files changed since the checkpoint (training.allow_data_change)."""
         self.source = source
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.extra_tokens = extra_tokens
         self.name = name
+        self.allow_change = allow_change
+        self._warned_small = False
 
     def summary(self) -> str:
         """One line for the start-up log."""
@@ -60,7 +63,8 @@ class PackedTextStream:
         return f"text '{self.name}', streamed and tokenized while training, in order"
 
     def data_state(self) -> dict:
-        return {"kind": "text"}
+        """The kind, and what identifies the corpus (its files and sizes; a stream's name)."""
+        return {"kind": "text", **(self.source.describe() if hasattr(self.source, "describe") else {})}
 
     def counts(self, anchor: Position, cursor: int) -> dict[str, dict[str, int]]:
         """Samples read (the cursor) and the epoch (at the step's start), for metrics.jsonl."""
@@ -92,6 +96,12 @@ class PackedTextStream:
         # of its first epoch (tokenize), before any sample of EOS alone is read.
         text_seen = False
         for epoch, document, tokens in self._tokenized_documents(anchor[0], anchor[1]):
+            if epoch > anchor[0] and k == 0 and not self._warned_small:  # a whole epoch, no sample yet
+                self._warned_small = True
+                logger.warning(
+                    f"the dataset holds fewer tokens than one sample (seq_len + 1 = {window_length}): "
+                    "each sample repeats its documents; give more data or a smaller training.seq_len"
+                )
             pieces.append((buffer_start + len(buffer), (epoch, document, skip)))
             buffer = np.concatenate((buffer, tokens[skip:]))
             skip = 0
@@ -124,6 +134,20 @@ class PackedTextStream:
             )
             return 0, START
         epoch, document, offset = saved
+        if saved_data is not None and "files" in saved_data | self.data_state():  # (not hf: a stream)
+            changed = corpus_changes(saved_data, self.data_state())
+            if changed and not self.allow_change:
+                raise UserError(
+                    f"the text data changed since the checkpoint ({changed}): its position would point "
+                    "elsewhere in the corpus; to continue anyway set training.allow_data_change (reading "
+                    "then goes on at the same file if it is still there, else at the next one in order)"
+                )
+            if changed:
+                document, offset = self.source.reposition(document, offset, saved_data)
+                where = self.source.where(document) if document else "the start of the epoch"
+                logger.warning(
+                    f"the text data changed since the checkpoint ({changed}); continuing at {where}"
+                )
         if document == 0:  # an older format's first document: nothing to count
             return anchor_token, (epoch, None, offset)
         if isinstance(document, int):
@@ -147,19 +171,23 @@ class PackedTextStream:
 def tokenize(
     source: DocumentSource, tokenizer: Tokenizer, start: SourcePosition | None = None
 ) -> Iterator[tuple[SourcePosition, np.ndarray]]:
-    """One epoch of (position, tokens + EOS) from the document at `start` on, encoded in batches.
+    """One epoch of (position, tokens + EOS) from the document at `start` on, encoded in batches;
+    a document read in pieces (data/sources.py: long .txt files) gives its pieces' tokens, EOS
+    after the last.
 
     Refuses token ids outside the vocabulary, and an epoch read from its start that holds no text
     (no documents, or only empty ones, which would train on EOS alone).
     """
     documents = with_text = 0
+    ends_document = getattr(source, "ends_document", lambda position: True)
     for batch in _batches(source.documents(start)):
         positions, texts = zip(*batch)
         for position, ids in zip(positions, tokenizer.encode_batch(list(texts))):
-            tokens = np.asarray(ids + [tokenizer.eos_id], dtype=np.int64)
+            ends = ends_document(position)
+            tokens = np.asarray(ids + [tokenizer.eos_id] if ends else ids, dtype=np.int64)
             check_token_ids(tokenizer, tokens, source.where(position))
-            documents += 1
-            with_text += len(tokens) > 1
+            documents += ends
+            with_text += len(ids) > 0
             yield position, tokens
     if start is None and not with_text:
         what = "no documents" if documents == 0 else f"only empty documents, {documents} of them"

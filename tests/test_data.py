@@ -285,17 +285,17 @@ def test_text_files_in_every_format(tmp_path):
     assert [text for _, text in documents] == [
         "plain text file", "json one", "json two", "parquet one", "parquet two"
     ]  # fmt: skip
-    # Positions: [file], [file, byte offset, line number], [file, row group, row].
-    assert [position for position, _ in documents] == [[0], [1, 0, 1], [1, 22, 3], [2, 0, 0], [2, 0, 1]]
+    # Positions: [file, byte offset, last piece], [file, byte offset, line number], [file, row group, row].
+    assert [position for position, _ in documents] == [[0, 0, 1], [1, 0, 1], [1, 22, 3], [2, 0, 0], [2, 0, 1]]
     assert [text for _, text in source.documents([1, 22, 3])] == ["json two", "parquet one", "parquet two"]
     assert [p.name for p in find_text_files(str(tmp_path / "*.jsonl"))] == ["b.jsonl"]
 
 
 def count_documents_decoded(monkeypatch) -> dict[str, int]:
-    """Counts .txt files read, .jsonl lines parsed and .parquet rows decoded from now on."""
-    import pathlib
-
+    """Counts .txt pieces and .jsonl lines decoded and .parquet rows decoded from now on."""
     import pyarrow.parquet as pq
+
+    import data.sources
 
     counts = {"decoded": 0}
 
@@ -307,8 +307,7 @@ def count_documents_decoded(monkeypatch) -> dict[str, int]:
 
         return wrapper
 
-    monkeypatch.setattr(json, "loads", counting(json.loads, lambda _: 1))
-    monkeypatch.setattr(pathlib.Path, "read_text", counting(pathlib.Path.read_text, lambda _: 1))
+    monkeypatch.setattr(data.sources, "_decode", counting(data.sources._decode, lambda _: 1))
 
     def counting_batches(self, *args, **kwargs):
         for batch in original_batches(self, *args, **kwargs):
