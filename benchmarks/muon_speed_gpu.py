@@ -51,16 +51,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--accumulation", type=int, default=8)
+    parser.add_argument("--accumulation", type=int, default=8, help="0: leave that run out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     newton_schulz_times(args.out)
     muon = ["--optimizer.name", "Muon", "--optimizer.lr", "5e-3"]
-    runs = [
-        ("adamw_batch1", args.steps, []),
-        ("muon_batch1", args.steps, muon),
-        (f"muon_accum{args.accumulation}", 8, [*muon, "--training.global_batch_size", str(args.accumulation)]),
-    ]
+    runs = [("adamw_batch1", args.steps, []), ("muon_batch1", args.steps, muon)]
+    if args.accumulation:
+        runs.append(
+            (
+                f"muon_accum{args.accumulation}",
+                8,
+                [*muon, "--training.global_batch_size", str(args.accumulation)],
+            )
+        )
     for name, steps, overrides in runs:
         command = [
             sys.executable, str(REPO / "benchmarks/benchmark.py"), "--config", "configs/llama3_1b.toml",
