@@ -18,13 +18,13 @@ compile, float8), training/ (process set-up, model building, one step's forward 
 optimizer, clipping, metrics), checkpoint/ (saving, resuming, Hugging Face files).
 """
 
-import os
 import sys
 import time
 
 START_TIME = time.time()  # before the heavy imports: time to first step counts them
 
-from configs import UserError, config_to_toml, load_config
+from configs import UserError, load_config
+from configs.errors import claims_error_line
 from configs.schema import JobConfig
 
 
@@ -41,11 +41,11 @@ def read_command_line(argv: list[str]) -> JobConfig:
     return load_config(argv)
 
 
-def report_user_error(error: UserError) -> int:
-    # Every rank finds the same mistake: one line per node is enough.
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    return 2
+def report_error(message: str, code: int = 2) -> int:
+    # Every rank finds the same mistake: one line per node, from whichever process gets there first.
+    if claims_error_line():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 if __name__ == "__main__":
@@ -54,7 +54,7 @@ if __name__ == "__main__":
     try:
         read_command_line(sys.argv[1:])
     except UserError as e:
-        sys.exit(report_user_error(e))
+        sys.exit(report_error(str(e)))
 
 import dataclasses
 import gc
@@ -70,13 +70,13 @@ from data.tokenizer import describe as describe_tokenizer
 from models.spec import multi_token_prediction
 from parallelisms import ParallelDims
 from parallelisms.float8 import precompute_float8_scales
-from training import bf16_weights, distributed, profiling
+from training import bf16_weights, distributed, profiling, run_folder
 from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
 from training.fault_tolerance import FaultTolerance
 from training.grad_clip import clip_divisor, global_grad_norm
 from training.host_reads import read_float
-from training.metrics import MetricsLogger, check_fresh_record, peak_tflops
+from training.metrics import MetricsLogger, peak_tflops
 from training.model_setup import build_model
 from training.nonfinite import NonFiniteError, NonFiniteGuard
 from training.optimizer import Optimizers
@@ -85,6 +85,7 @@ from training.qk_clip import qk_clip_for
 from training.step import StepRunner
 from training.stop_signals import StopSignals
 from training.validation import Validator
+from training.wandb_writer import open_wandb
 
 logger = logging.getLogger("train")
 
@@ -98,12 +99,18 @@ def train(config: JobConfig) -> int:
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     if config.fault_tolerance.enable:  # torchft's gradient hook is on FSDP units: FSDP wraps one device too
         dims = dataclasses.replace(dims, fsdp_single_device=True)
-    distributed.init_process_group(device)
+    distributed.init_process_group(device, config.job.collective_timeout_s)
     mesh = dims.build_mesh(device.type)
     is_logging_rank = distributed.rank() == 0
     dump_folder = Path(config.job.dump_folder)
     if config.job.description:
         logger.info(config.job.description)
+    # One run per folder (training/run_folder.py): the folder checked and locked until exit; the
+    # rerun of a finished run (its checkpoint at training.steps) ends here.
+    run = run_folder.claim(config)
+    if run.finished:
+        distributed.destroy_process_group(wait_for_peers=True)
+        return 0
 
     # Model: built on the meta device, split into pipeline stages, parallelized (training/
     # model_setup.py and parallelisms/__init__.py say in which order), materialized, initialized.
@@ -154,21 +161,15 @@ def train(config: JobConfig) -> int:
     )
     fault_tolerance.combine_groups(model.parts, optimizers)
 
-    # Every check has passed: only now is anything written into the dump folder (with fault
-    # tolerance each replica group keeps its records in replica_<id>/, continued when it restarts).
-    record_folder = fault_tolerance.record_folder(dump_folder)
-    check_fresh_record(record_folder, continued=resumed or fault_tolerance.enabled)
-    if is_logging_rank:
-        try:
-            record_folder.mkdir(parents=True, exist_ok=True)
-            (record_folder / "config.toml").write_text(config_to_toml(config))
-        except OSError as e:
-            raise UserError(f"job.dump_folder '{dump_folder}' cannot be written: {e.strerror}") from None
+    # Every check has passed: only now are records written (a run that continues none sets the
+    # earlier ones aside in previous-<n>/; each replica group of fault tolerance keeps its own).
+    run_folder.start_records(run, config, resumed, train_state.step)
     metrics = MetricsLogger(
-        str(record_folder), device, tokens_per_step, distributed.world_size() * fault_tolerance.groups,
+        str(run.record_folder), device, tokens_per_step, distributed.world_size() * fault_tolerance.groups,
         model.flops_per_token, config.training.steps, peak_tflops(device, config.metrics.peak_tflops),
         config.metrics.log_freq, write=is_logging_rank, enable_tensorboard=config.metrics.enable_tensorboard,
         resumed_step=None if fault_tolerance.enabled else train_state.step,
+        wandb=open_wandb(config, run.record_folder),  # rank 0's W&B run, with metrics.enable_wandb
     )  # fmt: skip
     first_step, last_step = train_state.step + 1, config.training.steps
     logger.info(
@@ -253,15 +254,19 @@ def main() -> int:
     try:
         return train(read_command_line(sys.argv[1:]))
     except UserError as e:
-        return report_user_error(e)
+        return report_error(str(e))
     except NonFiniteError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return report_error(str(e), code=1)
+    except RuntimeError as e:  # a collective that another rank never joined: say so, not a traceback
+        if (peer := distributed.peer_failure(e)) is None:
+            raise
+        return report_error(peer, code=1)
     except torch.OutOfMemoryError:
         profiling.save_after_oom()
         raise
     finally:
         distributed.destroy_process_group()
+        run_folder.release()  # the dump folder's lock
 
 
 if __name__ == "__main__":

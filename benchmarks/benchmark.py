@@ -4,10 +4,11 @@
     python benchmarks/benchmark.py --config configs/llama3_3b.toml --nproc 8 --out results.jsonl -- \\
         --training.local_batch_size 2
 
-Everything after `--` is passed to train.py as overrides. The numbers are train.py's own metrics
-(per device): tps and TFLOP/s are the mean over the steps after --warmup, memory is the peak
-reserved by the CUDA allocator, and time_to_first_step_s runs from launch to the end of step 1
-(start-up, initialization and, with compile, compilation).
+Everything after `--` is passed to train.py as overrides; a step is one micro-batch per rank (the
+recipe's global batch replaced by -1) unless they set --training.global_batch_size. The numbers are
+train.py's own metrics (per device): tps and TFLOP/s are the mean over the steps after --warmup,
+memory is the peak reserved by the CUDA allocator, and time_to_first_step_s runs from launch to the
+end of step 1 (start-up, initialization and, with compile, compilation).
 """
 
 import argparse
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
             str(REPO / "train.py"), "--config", args.config, "--training.steps", str(steps),
             "--metrics.log_freq", str(args.log_freq), "--metrics.enable_tensorboard", "false",
-            "--job.dump_folder", folder, *overrides,
+            # One micro-batch per rank and step, whatever global batch the recipe trains with.
+            "--training.global_batch_size", "-1", "--job.dump_folder", folder, *overrides,
         ]  # fmt: skip
         start = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True)

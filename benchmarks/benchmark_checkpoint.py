@@ -38,6 +38,7 @@ def train(args: argparse.Namespace, folder: str, overrides: list[str], nproc: in
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         str(REPO / "train.py"), "--config", args.config, "--training.steps", str(args.steps),
         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--job.dump_folder", folder,
+        "--training.global_batch_size", "-1",  # one micro-batch per rank and step
         "--checkpoint.enable", "--checkpoint.interval", str(args.interval),
         "--checkpoint.async_mode", args.async_mode, "--checkpoint.keep_latest_k", "2",
         "--checkpoint.last_save_model_only", *overrides,

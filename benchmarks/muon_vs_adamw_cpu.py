@@ -50,6 +50,7 @@ def run(out: Path, name: str, optimizer: str, lr: float, args, train: Path, val:
             *MODELS[args.model],
             "--training.device", "cpu", "--training.dataset", "text", "--training.dataset_path", str(train),
             "--training.seq_len", str(args.seq_len), "--training.local_batch_size", str(args.batch),
+            "--training.global_batch_size", str(args.batch),
             "--training.steps", str(args.steps), "--training.max_norm", "1.0",
             "--lr_scheduler.warmup_steps", str(args.steps // 20), "--lr_scheduler.decay_type", "cosine",
             "--lr_scheduler.min_lr_factor", "0.1",

@@ -39,6 +39,7 @@ def main() -> int:
             recipe = str(REPO / "configs/llama3_debug.toml")
             subprocess.run([sys.executable, str(REPO / "train.py"), "--config", recipe,
                             "--training.device", "cpu", "--training.steps", str(args.steps),
+                            "--training.local_batch_size", "8",  # one micro-batch of the recipe's 8
                             "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
                             "--job.dump_folder", str(folder), *overrides], check=True, cwd=REPO)  # fmt: skip
         losses = [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]

@@ -15,6 +15,7 @@ read is multiplied by the scales of the blocks it overlaps, which alone are read
 
 import contextlib
 import json
+import re
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -262,6 +263,7 @@ def save(
     tokenizer the run trained with (hf_assets_path, or the byte tokenizer), and its files."""
     # Before writing: a missing tokenizer or a model that Hugging Face cannot express stops it first.
     tokenizer = build_tokenizer(hf_assets_path)
+    require_hf_names(state_dict, adapter)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     config = {**adapter.hf_config(str(dtype).removeprefix("torch.")), **ids}
     hf_state = {name: t.to(dtype).contiguous() for name, t in adapter.to_hf(state_dict).items()}
@@ -275,6 +277,22 @@ def save(
     for name in TOKENIZER_FILES if hf_assets_path else ():
         if (Path(hf_assets_path) / name).is_file():
             shutil.copyfile(Path(hf_assets_path) / name, folder / name)
+
+
+def require_hf_names(state_dict: dict[str, torch.Tensor], adapter: StateDictAdapter) -> None:
+    """Every tensor has a Hugging Face name; the first that has none (a fork's new parameter, such as
+    the bias of a LayerNorm swapped in) is the user's to map, in the adapter's names."""
+    for name in state_dict:
+        try:
+            adapter.to_hf_name(name, 0 if adapter.is_stacked(name) else None)
+        except KeyError:
+            template = re.sub(r"(?<=\.)\d+(?=\.)", "{}", name)
+            module = type(adapter).__module__
+            raise UserError(
+                f'the model\'s parameter {name} has no Hugging Face name: add "{template}": "<its name in '
+                f'transformers>" to the names of {type(adapter).__name__} ({module.replace(".", "/")}.py), '
+                "for a transformers architecture that has this weight (docs/forking.md, HF adapter)"
+            ) from None
 
 
 def _write_shards(hf_state: dict[str, torch.Tensor], folder: Path) -> dict[str, str]:

@@ -7,10 +7,12 @@ pieces, so that a rank's threads share one large file and an error can say where
 
 Saving (checkpoint/manager.py): each rank's data files are checksummed piece by piece as they are
 written (checkpoint/fast_io/data_files.py); rank 0 gathers the results, adds .metadata and writes
-checksums.json before the checkpoint is committed. Loading: the files are shared out over the ranks
+checksums.json before the checkpoint is committed. Loading: .metadata is checked first, on the bytes
+that are then unpickled (checkpoint/data_only.py); the data files are shared out over the ranks
 (a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
 reads from it) while DCP reads the same files, and any problem stops every rank before anything read
 is used. A checkpoint without checksums.json (written before it existed) is loaded unverified.
+Checksums find damage, not an attacker, who can recompute them: docs/checkpointing.md, "Trust model".
 """
 
 import json
@@ -110,13 +112,33 @@ def problems(folder: Path, manifest: dict, names: list[str]) -> list[str]:
             intact.append(path)
     piece_bytes = manifest["piece_bytes"]
     for name, now in checksum(intact, piece_bytes).items():
-        recorded = manifest["files"][name]["crc32"]
-        damaged = [i for i, (a, b) in enumerate(zip(now["crc32"], recorded)) if a != b]
-        if damaged or len(now["crc32"]) != len(recorded):
-            start = damaged[0] * piece_bytes if damaged else 0
-            end = min(start + piece_bytes, now["size"])
-            found.append(f"{name} does not match its checksum: bytes {start}-{end} changed after saving")
+        if problem := _differs(name, now, manifest["files"][name]["crc32"], piece_bytes):
+            found.append(problem)
     return found
+
+
+def problem_in(manifest: dict, name: str, data: bytes) -> str | None:
+    """What differs from the recorded checksums in a file's bytes, already read (.metadata, checked
+    on the very bytes that are then unpickled); None if nothing. A file the manifest lacks is a
+    problem: every checksums.json this repository writes names .metadata."""
+    recorded = manifest["files"].get(name)
+    if recorded is None:
+        return f"{name} has no checksum in {MANIFEST}"
+    if len(data) != recorded["size"]:
+        return f"{name} is {len(data)} bytes, {recorded['size']} when it was saved"
+    piece_bytes, view = manifest["piece_bytes"], memoryview(data)
+    starts = range(0, len(data) or 1, piece_bytes)
+    crc32 = [f"{zlib.crc32(view[start : start + piece_bytes]):08x}" for start in starts]
+    return _differs(name, {"size": len(data), "crc32": crc32}, recorded["crc32"], piece_bytes)
+
+
+def _differs(name: str, now: dict, recorded: list[str], piece_bytes: int) -> str | None:
+    damaged = [i for i, (a, b) in enumerate(zip(now["crc32"], recorded)) if a != b]
+    if not damaged and len(now["crc32"]) == len(recorded):
+        return None
+    start = damaged[0] * piece_bytes if damaged else 0
+    end = min(start + piece_bytes, now["size"])
+    return f"{name} does not match its checksum: bytes {start}-{end} changed after saving"
 
 
 def verify(folder: Path) -> None:

@@ -3,13 +3,13 @@ start from given weights (checkpoint.initial_load_path: a checkpoint folder or a
 
 Nothing read is used before the checkpoint is known to be whole and to fit: its .metadata must name
 this model's tensors with this model's shapes, and its files must match the checksums recorded when
-it was saved (checkpoint/integrity.py; checked while DCP reads the same files, one pass over the
-disk). Any problem stops every rank with one error line.
+it was saved (checkpoint/integrity.py; .metadata before it is unpickled, the data files while DCP
+reads them, one pass over the disk). Everything is read as data only (checkpoint/data_only.py).
+Any problem stops every rank with one error line.
 """
 
 import concurrent.futures
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,10 +17,11 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint import hf, integrity
+from checkpoint import data_only, hf, integrity
+from checkpoint.data_only import DataOnlyReader
 from checkpoint.saving import complete_steps
 from checkpoint.state import Checkpointed, load_model_state, model_state
 from checkpoint.storage import describe
@@ -34,13 +35,9 @@ logger = logging.getLogger(__name__)
 
 def latest_step(config: Checkpoint, folder: Path) -> tuple[int | None, str]:
     """The step to resume from (None: no checkpoint of this run) and, for an error message, how to
-    resume from an earlier one. Rank 0 also reports and clears what killed saves left behind."""
+    resume from an earlier one. It only reads: what killed saves left behind is reported at the
+    resume (checkpoint/saving.py report_leftovers)."""
     steps = complete_steps(folder) if config.enable else []
-    if config.enable and dist.get_rank() == 0:
-        for stale in sorted(folder.glob("step-*.partial")):
-            logger.warning(f"ignoring {stale}: a save that did not finish (delete it to free space)")
-        for doomed in folder.glob("step-*.deleting"):  # a deletion that was killed
-            shutil.rmtree(doomed, ignore_errors=True)
     if not steps:
         if config.load_step not in (-1, 0) and config.enable:
             raise UserError(f"checkpoint.load_step {config.load_step}: no checkpoints in {folder}")
@@ -56,10 +53,11 @@ def latest_step(config: Checkpoint, folder: Path) -> tuple[int | None, str]:
 def set_aside_later(folder: Path, step: int) -> None:
     """After a resume from an earlier step (checkpoint.load_step) than the latest checkpoint, rank 0
     renames the later ones step-N.abandoned, so that the next resume continues this run,
-    keep_latest_k never counts them, and this run's own saves of those steps replace nothing."""
-    if dist.get_rank() != 0:
-        return
-    for later_step in [s for s in complete_steps(folder) if s > step]:
+    keep_latest_k never counts them, and this run's own saves of those steps replace nothing. One
+    that cannot be renamed stops every rank before training: the next plain rerun would resume it."""
+    failure = None
+    later = [s for s in complete_steps(folder) if s > step] if dist.get_rank() == 0 else []
+    for later_step in later:
         source = folder / f"step-{later_step}"
         target, n = folder / f"step-{later_step}.abandoned", 1
         while target.exists():  # (set aside before, by an earlier rollback)
@@ -68,15 +66,23 @@ def set_aside_later(folder: Path, step: int) -> None:
         try:
             source.rename(target)
         except OSError as e:
-            logger.warning(f"{source} could not be set aside: {describe(e)}")
-            continue
+            failure = (
+                f"checkpoint.load_step {step}: the later checkpoint {source} could not be set aside "
+                f"({describe(e)}), so a rerun would continue from it, not from this run; move it out of "
+                f"{folder}, then run again"
+            )
+            break
         logger.warning(
             f"{source} renamed {target.name}: this run continues from step {step} (delete it to free space)"
         )
+    verdict = [failure]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise UserError(verdict[0])
 
 
 def resume(
-    path: Path, checkpointed: Checkpointed, parts: list[str], reader: FileSystemReader,
+    path: Path, checkpointed: Checkpointed, parts: list[str], reader: DataOnlyReader,
     allow_model_change: bool, hint: str,
 ) -> None:  # fmt: skip
     """Load the checkpoint at path into checkpointed's objects (its parts: model, optimizer, train,
@@ -113,12 +119,17 @@ def resume(
         problems, check_seconds = checking.result()
     refuse_damaged(path, manifest, problems, check_seconds, hint)
     if failure is not None:
+        if refusal := data_only.not_data_in(failure):
+            raise data_only.refused(path, refusal)
         raise UserError(
             f"checkpoint {path} could not be read ({type(failure).__name__}: {first_line(failure)})"
         )
     if "train" in parts:  # before anything is loaded into the model
         checkpointed.train_state.check_model(state["train"]["model"], str(path), allow_model_change)
-    checkpointed.load(state)
+    try:
+        checkpointed.load(state)
+    except data_only.NotData as e:  # (a pickle inside a value: the RNG state)
+        raise data_only.refused(path, e) from None
     timings = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in getattr(reader, "timings", {}).items())
     logger.info(
         f"resumed from {path} in {time.perf_counter() - start:.1f} s (step {checkpointed.train_state.step}; "
@@ -128,7 +139,7 @@ def resume(
 
 
 def load_initial_weights(
-    model_parts: list[nn.Module], adapter, path: Path, reader: Callable[[Path], FileSystemReader]
+    model_parts: list[nn.Module], adapter, path: Path, reader: Callable[[Path], DataOnlyReader]
 ) -> None:
     """Weights to start from: a checkpoint folder (step-N, verified first) or a Hugging Face folder."""
     if not path.exists():
@@ -150,6 +161,8 @@ def load_initial_weights(
         try:
             dcp.load(state, storage_reader=reader(path), planner=DefaultLoadPlanner(allow_partial_load=True))
         except (Exception, dcp.CheckpointException) as e:
+            if refusal := data_only.not_data_in(e):
+                raise data_only.refused(path, refusal) from None
             raise UserError(f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}") from None
         load_model_state(model_parts, state["model"], strict=False)
     logger.info(f"initial weights from {path}")
@@ -202,14 +215,10 @@ def _neither_weights_message(path: Path) -> str:
 
 
 def read_metadata(path: Path) -> dict:
+    """What the checkpoint holds, by key: checked against its checksum first, read as data only."""
     if not (path / ".metadata").is_file():
         raise UserError(f"{path} is not a complete DCP checkpoint (no .metadata)")
-    try:
-        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:
-        raise UserError(
-            f"checkpoint {path} is corrupt: its .metadata cannot be read ({first_line(e)})"
-        ) from None
+    return data_only.read_metadata(path).state_dict_metadata
 
 
 def optimizer_state_to_read(path: Path, saved: dict, ours: dict) -> dict:

@@ -15,7 +15,7 @@ from torch import nn
 
 from checkpoint import loading
 from checkpoint.fast_io import FastIO
-from checkpoint.saving import Saver, warn_about_unused_saving_keys
+from checkpoint.saving import Saver, report_leftovers, warn_about_unused_saving_keys
 from checkpoint.state import PARTS, Checkpointed, TrainState
 from checkpoint.storage import PlainDCP
 from configs.schema import Checkpoint
@@ -60,6 +60,8 @@ class Checkpointer:
 
     def load(self) -> bool:
         """Resume from a checkpoint of this run, or load initial weights; True if resumed."""
+        if self.config.enable and dist.get_rank() == 0:
+            report_leftovers(self.folder)
         step, hint = loading.latest_step(self.config, self.folder)
         if step is not None:
             parts = [p for p in PARTS if p not in self.config.exclude_from_loading]

@@ -5,11 +5,14 @@ Layout on disk, under <dump_folder>/<checkpoint.folder>:
     step-1000.partial/ a save in progress (or killed): never loaded, never counted
     step-100.deleting/ an old checkpoint being deleted (keep_latest_k), in the background
     step-800.abandoned a later checkpoint set aside when a run resumed from an earlier step
+    step-600.incomplete-1  what sat at step-600 without .metadata when step 600 was saved again
+    step-600.replaced-1    an older complete save of step 600 (e.g. exclude_from_loading "train")
 A save is written to step-N.partial by every rank (through the storage: checkpoint/storage.py),
 then rank 0 writes checksums.json (every file's checksum, checkpoint/integrity.py) and renames the
 folder step-N once every rank has finished (DCP writes .metadata last, after all ranks' data). A
 save that fails on any rank fails on every rank, its partial folder removed, the previous complete
-checkpoint untouched.
+checkpoint untouched. A save deletes nothing it did not write: what was already at its step-N is
+renamed aside, and only complete checkpoints are ever deleted (keep_latest_k).
 """
 
 import concurrent.futures
@@ -43,6 +46,34 @@ def complete_steps(folder: Path) -> list[int]:
         if match and (path / ".metadata").is_file():
             steps.append(int(match.group(1)))
     return sorted(steps)
+
+
+def report_leftovers(folder: Path) -> None:
+    """At start-up, on rank 0: warn about what is there but never loaded (saves that did not finish,
+    step folders without .metadata) and finish the deletions of old checkpoints a kill interrupted."""
+    for path in sorted(folder.glob("step-*")):
+        if path.name.endswith(".partial"):
+            logger.warning(f"ignoring {path}: a save that did not finish (delete it to free space)")
+        elif STEP_FOLDER.match(path.name) and not (path / ".metadata").is_file():
+            logger.warning(
+                f"ignoring {path}: not a complete checkpoint (no .metadata), never loaded; a save of "
+                "this step renames it aside, never deletes it"
+            )
+    for doomed in folder.glob("step-*.deleting"):  # renamed by keep_latest_k: complete, old, doomed
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename what sits where a save is about to put a complete checkpoint: <name>.replaced-<k> if it
+    is an older complete one, else <name>.incomplete-<k> (never deleted: it may be anything)."""
+    kind = "replaced" if (path / ".metadata").is_file() else "incomplete"
+    k = 1
+    while path.with_name(f"{path.name}.{kind}-{k}").exists():
+        k += 1
+    target = path.rename(path.with_name(f"{path.name}.{kind}-{k}"))
+    what = "an older save of this step" if kind == "replaced" else "not a complete checkpoint"
+    logger.warning(f"{path} was already there ({what}): renamed {target.name} (delete it to free space)")
+    return target
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -151,8 +182,8 @@ class Saver:
                 others = [p for p in sorted(partial.glob("*.distcp")) if p.name not in files]
                 files.update(integrity.checksum([*others, partial / ".metadata"]))
                 integrity.write_manifest(partial, files)
-                if final.exists():  # an older save of the same step (e.g. the run was restarted)
-                    shutil.rmtree(final)
+                if final.exists() or final.is_symlink():
+                    set_aside(final)
                 _fsync_folder(partial)  # (its files' names on the disk before it is complete)
                 partial.rename(final)
                 _fsync_folder(self.folder)  # (the rename too, before older checkpoints are deleted)

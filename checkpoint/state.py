@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from checkpoint.data_only import plain_loads
 from configs import UserError
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     model: str = ""  # the model's identity (describe()): a checkpoint of another model is refused
-    rng: bytes = b""  # pickled CPU (and CUDA) generator states
+    rng: bytes = b""  # pickled {"cpu": bytes, "cuda": bytes}: builtins only, read by plain_loads
 
     @staticmethod
     def describe(name: str, args: Any) -> str:
@@ -85,7 +86,8 @@ class TrainState:
     def load_dict(self, state: dict) -> None:
         """Step, tokens seen and RNG; the model's identity stays this run's (check_model compared them)."""
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        generators = pickle.loads(state["rng"]) if state["rng"] else {}
+        # Read as data only (a checkpoint may come from anyone): any class in it is refused.
+        generators = plain_loads(state["rng"], "train.rng") if state["rng"] else {}
         as_tensor = lambda raw: torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         if "cpu" in generators:
             torch.set_rng_state(as_tensor(generators["cpu"]))

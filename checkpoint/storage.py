@@ -12,9 +12,10 @@ and close() at the end of the run. A write returns this rank's files' checksums
 (checkpoint/integrity.py) or what went wrong, and the seconds it spent reading files back for them.
 
 PlainDCP: dcp.save through FileSystemWriter, async saves staged by DCP's BlockingAsyncStager
-(fresh host memory each save) and written by a thread, loads through FileSystemReader; each rank's
-files are checksummed by reading them back after the write. FastIO (checkpoint/fast_io/) writes
-the same format faster; each reads what the other wrote.
+(fresh host memory each save) and written by a thread, loads through FileSystemReader made to read
+data only (checkpoint/data_only.py); each rank's files are checksummed by reading them back after
+the write. FastIO (checkpoint/fast_io/) writes the same format faster; each reads what the other
+wrote. Both readers unpickle nothing but data.
 """
 
 import contextlib
@@ -25,11 +26,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
+from torch.distributed.checkpoint import FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from checkpoint import integrity
+from checkpoint.data_only import DataOnlyReader
 from configs.errors import first_line
 from configs.schema import Checkpoint
 
@@ -37,7 +39,7 @@ Written = tuple[dict | str, float]  # (this rank's files' checksums, or why the 
 
 
 class PlainDCP:
-    """checkpoint.fast_io = false: DCP's FileSystemWriter and FileSystemReader, nothing of ours."""
+    """checkpoint.fast_io = false: DCP's FileSystemWriter and FileSystemReader (read as data only)."""
 
     writer_name = "writer thread"
 
@@ -55,8 +57,8 @@ class PlainDCP:
         writer = FileSystemWriter(str(folder), thread_count=self.threads)
         return lambda: save_files(staged, folder, self.rank, writer, process_group=self.group)
 
-    def reader(self, folder: Path) -> StorageReader:
-        return FileSystemReader(str(folder))
+    def reader(self, folder: Path) -> DataOnlyReader:
+        return DataOnlyReader(folder)
 
     def before_state_changes(self) -> None:
         """Nothing: write_later's copy is complete when it returns."""

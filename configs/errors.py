@@ -7,6 +7,30 @@ class UserError(Exception):
     """A mistake the user can fix; the message names the cause (the key, file or checkpoint)."""
 
 
+def claims_error_line() -> bool:
+    """Whether this process prints the run's `error:` line: a lone process always; under torchrun the
+    first process of a node to get there (a marker file per run and node). Not local rank 0 alone:
+    when another rank fails first, torchrun kills rank 0 before it prints, and a failure of one
+    rank only (a lost peer) would not be said at all."""
+    import os
+    import tempfile
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if "WORLD_SIZE" not in os.environ or not run:
+        return True
+    # This launch's workers share their parent (torchrun's agent) and restart count; the run id
+    # alone may repeat ("none" unless --rdzv-id is given).
+    launch = f"{run}-{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    marker = os.path.join(tempfile.gettempdir(), f"recipe-error-{os.getuid()}-{launch}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temporary folder: one line per node as before
+        return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def first_line(error: Exception) -> str:
     """A library's error message, cut to fit in one `error:` line."""
     text = str(error).strip()

@@ -72,9 +72,12 @@ def _read_toml(path: str) -> dict[str, Any]:
     if not file.is_file():
         raise UserError(f"config file '{path}' does not exist")
     try:
-        return tomllib.loads(file.read_text())
+        return tomllib.loads(file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML files are UTF-8
+        byte = e.object[e.start]
+        raise UserError(f"{path} is not a UTF-8 text file (byte {e.start} is {byte:#04x})") from None
 
 
 def _sections(config: JobConfig) -> dict[str, Any]:

@@ -6,6 +6,7 @@ renders them into docs/configuration.md, and a test fails if a field has none or
 drifts. Key names follow torchtitan v0.2 where the concept is the same.
 """
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -51,11 +52,17 @@ class Job(Section):
     a stop signal (SIGTERM, SIGUSR1, Ctrl-C); the run then stops after that step, saving a
     checkpoint when checkpointing is on. A single process checks every step."""
 
+    collective_timeout_s: float = 600.0
+    """Seconds a rank waits in a collective (gloo and NCCL) for the others before the run stops: a
+    rank that hangs or died. gloo raises, and the run ends with one error line saying so; NCCL's
+    watchdog aborts the process. Raise it for steps or checkpoint loads slower than this."""
+
     def check(self, section: str) -> None:
         require(section, self, [
             ("dump_folder", self.dump_folder.strip() != "", "must not be empty"),
             ("dry_run_world_size", self.dry_run_world_size >= 0, "must be >= 0 (0 = as launched)"),
             ("signal_check_interval", self.signal_check_interval >= 1, "must be >= 1"),
+            ("collective_timeout_s", self.collective_timeout_s > 0, "must be > 0"),
         ])  # fmt: skip
 
 
@@ -635,10 +642,27 @@ class Metrics(Section):
     """Peak dense bf16 TFLOP/s per device for MFU; 0 = look the GPU up in a table (A100, H100,
     H200, B200). MFU is left empty (null) on a device the table does not know."""
 
+    enable_wandb: bool = False
+    """Also send TensorBoard's scalars (the same names and steps) to Weights & Biases, from rank 0
+    (pip install wandb). Its files go under the dump folder unless WANDB_DIR says otherwise;
+    WANDB_MODE=offline writes them only there (wandb sync uploads them later). A resumed run
+    continues the same W&B run: its id is kept in <dump folder>/wandb/run_id."""
+
+    wandb_project: str = ""
+    """W&B project; empty: $WANDB_PROJECT, else W&B's default."""
+
+    wandb_entity: str = ""
+    """W&B entity (user or team); empty: $WANDB_ENTITY, else the API key's default entity."""
+
+    wandb_run_name: str = ""
+    """W&B run name; empty: $WANDB_NAME, else the dump folder's name."""
+
     def check(self, section: str) -> None:
         require(section, self, [
             ("log_freq", self.log_freq >= 1, "must be >= 1"),
             ("peak_tflops", self.peak_tflops >= 0, "must be >= 0 (0 = look up)"),
+            ("enable_wandb", not self.enable_wandb or importlib.util.find_spec("wandb") is not None,
+             "needs the wandb package: pip install wandb"),
         ])  # fmt: skip
 
 

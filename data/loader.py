@@ -210,12 +210,22 @@ class StepLoader:
         return {**counts, "data_wait_ms": round(waited, 3)}
 
     def state_dict(self) -> dict:
-        return dict(self._state)
+        return {**self._state, "local_batch_size": self.local_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.close()
         self.order.load_state_dict(state)
         self._state = self.order.state_dict()
+        # The order warns of a new global batch; a new micro-batch size alone changes only rounding.
+        saved_local = state.get("local_batch_size", self.local_batch_size)  # (older states: none)
+        same_global = state["global_batch_size"] == self.order.global_batch_size
+        if saved_local != self.local_batch_size and same_global:
+            logger.info(
+                f"training.local_batch_size changed from {saved_local} to {self.local_batch_size}, the "
+                f"global batch stays {self.order.global_batch_size}: each rank reads "
+                f"{self.accumulation_steps} micro-batches a step, the same samples in the same order "
+                "(losses equal up to rounding)"
+            )
 
     def close(self) -> None:
         """Stops reading ahead (the next step reopens reading at the state)."""

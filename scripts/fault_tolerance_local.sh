@@ -16,18 +16,25 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 groups=${REPLICA_GROUPS:-2} nproc=${NPROC_PER_GROUP:-1} restarts=${RESTARTS:-3}
 port=${LIGHTHOUSE_PORT:-29510}
+# Numbers only: bash arithmetic ($((...))) would evaluate anything else as code.
+for number in "$groups" "$nproc" "$restarts" "$port"; do
+    if [[ ! $number =~ ^[0-9]+$ ]]; then
+        echo "error: REPLICA_GROUPS, NPROC_PER_GROUP, RESTARTS and LIGHTHOUSE_PORT must be whole numbers (got '$number')" >&2
+        exit 2
+    fi
+done
 folder=$(python -c "import sys
 from configs import UserError, load_config
 try:
     print(load_config(sys.argv[1:]).job.dump_folder)
 except UserError as e:
     sys.exit(f'error: {e}')" "$@") || exit 2
-mkdir -p "$folder"
+mkdir -p -- "$folder"
 
 torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --quorum_tick_ms 100 --join_timeout_ms 10000 \
     --heartbeat_timeout_ms "${HEARTBEAT_MS:-5000}" --bind "[::]:$port" >"$folder/lighthouse.log" 2>&1 &
 lighthouse=$!
-trap 'kill $lighthouse 2>/dev/null; kill 0 2>/dev/null' EXIT
+trap 'kill "$lighthouse" 2>/dev/null; kill 0 2>/dev/null' EXIT
 export TORCHFT_LIGHTHOUSE="http://localhost:$port"
 
 run_group() {
@@ -55,5 +62,5 @@ for pid in "${pids[@]}"; do
     wait "$pid" || status=$?
 done
 trap - EXIT
-kill $lighthouse 2>/dev/null
-exit $status
+kill "$lighthouse" 2>/dev/null
+exit "$status"

@@ -1,11 +1,15 @@
 """Plot metrics.jsonl files (or run folders) to a PNG: loss, validation loss, grad norm, lr,
 throughput and memory against the step, one line per run.
 
-    python scripts/plot_metrics.py outputs/bf16 outputs/float8 --output compare.png
+    python scripts/plot_metrics.py outputs/bf16 outputs/float8 --output outputs/compare.png
     python scripts/plot_metrics.py outputs/run/metrics.jsonl --keys loss,tps
 
 metrics.jsonl holds one training record per step (a resumed run drops the records of the steps it
 redoes); in a file written before that was so, a repeated step keeps its last record. Needs matplotlib.
+
+Runs with the same curve would hide each other (a run and its resume on another layout should be
+identical): each run gets its own line style, and the legend says which runs' first panel (the loss
+by default) is identical to an earlier run's.
 """
 
 import argparse
@@ -15,6 +19,8 @@ import sys
 from pathlib import Path
 
 PANELS = ["loss", "val_loss", "grad_norm", "lr", "tps", "memory_gib"]
+# Drawn later on top, a dashed or dotted line still shows the solid one under it.
+LINE_STYLES = ["-", "--", ":", "-."]
 
 
 def read(path: Path) -> dict[int, dict]:
@@ -25,6 +31,20 @@ def read(path: Path) -> dict[int, dict]:
         # A step's validation record joins its training record; a later line of the same step wins.
         records.setdefault(record["step"], {}).update(record)
     return dict(sorted(records.items()))
+
+
+def curve(records: dict[int, dict], key: str) -> list[tuple[int, float]]:
+    return [(step, r[key]) for step, r in records.items() if r.get(key) is not None]
+
+
+def legend_labels(runs: dict[str, dict[int, dict]], key: str) -> list[str]:
+    """Each run's name, with "identical to <run>" where its curve of key equals an earlier run's."""
+    labels, seen = [], {}
+    for name, records in runs.items():
+        points = tuple(curve(records, key))
+        same = seen.setdefault(points, name) if points else name
+        labels.append(f"{name} ({key} identical to {same})" if same != name else name)
+    return labels
 
 
 def main() -> int:
@@ -57,11 +77,12 @@ def main() -> int:
     columns = min(3, len(keys))
     rows = math.ceil(len(keys) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.5 * rows), squeeze=False)
+    labels = legend_labels(runs, keys[0])
     for axis, key in zip(axes.flat, keys):
-        for name, records in runs.items():
-            points = [(step, r[key]) for step, r in records.items() if r.get(key) is not None]
+        for index, (label, records) in enumerate(zip(labels, runs.values())):
+            points = curve(records, key)
             if points:
-                axis.plot(*zip(*points), label=name)
+                axis.plot(*zip(*points), label=label, linestyle=LINE_STYLES[index % len(LINE_STYLES)])
         axis.set_title(key)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)

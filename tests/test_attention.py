@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from test_forking import NAME as FORK_NAME
 from test_forking import fork
 
 from models import get_model_spec
@@ -75,7 +76,7 @@ def test_documents_do_not_see_each_other(family):
 
 def test_a_forked_model_gets_document_masking_from_the_shared_kernel(tmp_path):
     """docs/forking.md's copy of Llama (LayerNorm instead of RMSNorm), built from its own file."""
-    path = fork(tmp_path) / "models/mymodel/model.py"
+    path = fork(tmp_path) / "models" / FORK_NAME / "model.py"
     loader = importlib.util.spec_from_file_location("forked_model", path)
     forked = importlib.util.module_from_spec(loader)
     sys.modules["forked_model"] = forked

@@ -17,8 +17,10 @@ import pytest
 from conftest import REPO, TINY, run_train, write_mixture, write_token_source
 
 from parallelisms.compile import COMPILED_CHECKPOINT_FAILS_WITH_TP
+from training import run_folder
 
 BASE = [*TINY, "--training.steps", "2"]
+RESUME = ["--checkpoint.enable", "--training.steps", "3"]  # root/run's step-2 is not the last step
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -75,10 +77,12 @@ def write_bad_corpora(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """Bad inputs on disk, and a real checkpoint to damage."""
+    """Bad inputs on disk, a real checkpoint to damage, and a folder locked by this process (a run
+    in it)."""
     root = tmp_path_factory.mktemp("inputs")
     (root / "bad.toml").write_text("[training\nsteps = 3\n")
     (root / "typo.toml").write_text("[trainig]\nsteps = 3\n")
+    (root / "latin1.toml").write_bytes(b"[training]\nsteps = 3  # caf\xe9\n")
     (root / "empty").mkdir()
     (root / "empty" / "nothing.jsonl").write_text("")
     (root / "field").mkdir()
@@ -99,9 +103,11 @@ def files(tmp_path_factory) -> dict[str, Path]:
     run_train(
         [*BASE, "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(root / "run")]
     )
-    (root / "finished").mkdir()
-    shutil.copy(root / "run" / "metrics.jsonl", root / "finished" / "metrics.jsonl")
-    for name in ("truncated", "flipped", "unverified", "bad_manifest", "foreign"):
+    (root / "in_the_way" / "checkpoint").mkdir(parents=True)
+    (root / "in_the_way" / "checkpoint" / "step-2").write_text("not a checkpoint")
+    (root / "checkpoint_file").mkdir()
+    (root / "checkpoint_file" / "checkpoint").write_text("not a folder")
+    for name in ("truncated", "flipped", "unverified", "bad_manifest", "other_model"):
         shutil.copytree(root / "run" / "checkpoint" / "step-2", root / name / "checkpoint" / "step-2")
     for name in ("truncated", "unverified"):
         data = root / name / "checkpoint" / "step-2" / "__0_0.distcp"
@@ -112,7 +118,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     data.write_bytes(bytes(content))
     (root / "unverified" / "checkpoint" / "step-2" / "checksums.json").unlink()  # as older code saved
     (root / "bad_manifest" / "checkpoint" / "step-2" / "checksums.json").write_text('{"files": ')
-    return {"root": root}
+    run_folder.lock(root / "locked")
+    yield {"root": root}
+    run_folder.release()
 
 
 def cases(root: Path) -> list[tuple[str, list[str], str]]:
@@ -134,6 +142,7 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("missing config", ["--config", str(root / "missing.toml")], "does not exist"),
         ("broken toml", ["--config", str(root / "bad.toml")], "is not valid TOML"),
         ("toml section typo", ["--config", str(root / "typo.toml")], "unknown section [trainig]"),
+        ("config not UTF-8", ["--config", str(root / "latin1.toml")], "latin1.toml is not a UTF-8 text file (byte 27 is 0xe9)"),
         ("model typo", ["--model.name", "lama3"], "model.name 'lama3' is not registered"),
         ("flavor", ["--model.flavor", "9B"], "model.flavor '9B' is not a llama3 flavor"),
         ("model args", ["--model.args", "n_layer=2"], "(did you mean 'n_layers'?)"),
@@ -142,7 +151,23 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("odd head dim", ["--model.args", "dim=40"], "dim / n_heads = 5 must be even (RoPE)"),
         ("qwen3 head dim", ["--model.name", "qwen3", "--model.args", "head_dim=15"], "head_dim 15 must be even"),
         ("sequence too long", ["--training.seq_len", "33554432"], "more than this host's memory per process"),
-        ("another run's folder", ["--job.dump_folder", str(root / "finished")], "already holds a run (metrics.jsonl)"),
+        ("not a run folder", ["--job.dump_folder", str(root)], f"job.dump_folder '{root}' is not a run folder: it "
+                                                               "holds a_file, bad.toml, bad_manifest and "),
+        ("the root folder", ["--job.dump_folder", "/"], "job.dump_folder '/' is not a run folder: it holds "),
+        ("a run in the folder", ["--job.dump_folder", str(root / "locked")],
+         f"is in use by another run (pid {os.getpid()} on "),
+        ("checkpoints outside", ["--checkpoint.enable", "--checkpoint.folder", "../elsewhere"],
+         "checkpoint.folder '../elsewhere' must name a folder inside job.dump_folder"),
+        ("checkpoints elsewhere", ["--checkpoint.enable", "--checkpoint.folder", str(root / "elsewhere")],
+         "must name a folder inside job.dump_folder, e.g. \"checkpoint\" (not an absolute path"),
+        ("a file where a checkpoint goes", ["--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder",
+                                            str(root / "in_the_way")],
+         "in_the_way/checkpoint/step-2 is a file where this run would save checkpoint step-2"),
+        ("checkpoint folder is a file", ["--checkpoint.enable", "--job.dump_folder", str(root / "checkpoint_file")],
+         "checkpoint_file/checkpoint cannot be made: "),
+        ("fewer steps than the checkpoint's", ["--checkpoint.enable", "--training.steps", "1", "--job.dump_folder",
+                                               str(root / "run")],
+         "training.steps 1 is below the step of the checkpoint this run continues"),
         ("degrees vs world", ["--parallelism.tensor_parallel_degree", "2"], "world size 1 is not divisible by the "
                               "pipeline x replicate x context x tensor parallel degrees = 1 x 1 x 1 x 2"),
         ("zero bubble x FSDP", ["--job.dry_run", "--job.dry_run_world_size", "4", "--parallelism.pipeline_parallel_degree",
@@ -265,20 +290,20 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
          "checkpoint.load_step has no effect unless checkpoint.enable = true"),
         ("exclude without enable", ["--checkpoint.exclude_from_loading", "optimizer"],
          "checkpoint.exclude_from_loading has no effect unless checkpoint.enable = true"),
-        ("truncated checkpoint", ["--checkpoint.enable", "--job.dump_folder", str(root / "truncated")],
+        ("truncated checkpoint", [*RESUME, "--job.dump_folder", str(root / "truncated")],
          "checkpoint/step-2 is damaged: __0_0.distcp is 1000 bytes"),
-        ("flipped checkpoint bytes", ["--checkpoint.enable", "--job.dump_folder", str(root / "flipped")],
+        ("flipped checkpoint bytes", [*RESUME, "--job.dump_folder", str(root / "flipped")],
          "checkpoint/step-2 is damaged: __0_0.distcp does not match its checksum: bytes 0-"),
-        ("truncated, no checksums", ["--checkpoint.enable", "--job.dump_folder", str(root / "unverified")],
+        ("truncated, no checksums", [*RESUME, "--job.dump_folder", str(root / "unverified")],
          "could not be read"),
-        ("damaged checksums", ["--checkpoint.enable", "--job.dump_folder", str(root / "bad_manifest")],
+        ("damaged checksums", [*RESUME, "--job.dump_folder", str(root / "bad_manifest")],
          "checkpoint/step-2 is damaged: its checksums.json cannot be read"),
-        ("another model's checkpoint", ["--checkpoint.enable", "--model.flavor", "debugmodel",
-                                        "--job.dump_folder", str(root / "foreign")], "holds a different model"),
-        ("another model's arguments", ["--checkpoint.enable", "--model.args", "rope_theta=10000", "--job.dump_folder",
-                                       str(root / "foreign")], "holds another model (rope_theta 500000.0 there, 10000.0 here)"),
-        ("model change allowed, shapes not", ["--checkpoint.enable", "--checkpoint.allow_model_change", "--model.flavor",
-                                              "debugmodel", "--job.dump_folder", str(root / "foreign")],
+        ("another model's checkpoint", [*RESUME, "--model.flavor", "debugmodel",
+                                        "--job.dump_folder", str(root / "other_model")], "holds a different model"),
+        ("another model's arguments", [*RESUME, "--model.args", "rope_theta=10000", "--job.dump_folder",
+                                       str(root / "other_model")], "holds another model (rope_theta 500000.0 there, 10000.0 here)"),
+        ("model change allowed, shapes not", [*RESUME, "--checkpoint.allow_model_change", "--model.flavor",
+                                              "debugmodel", "--job.dump_folder", str(root / "other_model")],
          "holds a different model: tok_embeddings.weight is (320, 64) there, (320, 256) here"),
     ]  # fmt: skip
 

@@ -110,7 +110,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.toml")))
 def test_shipped_configs_load(name):
-    """Every recipe loads with each key it sets in effect, and names a registered model flavor."""
+    """Every recipe loads with each key it sets in effect, names a registered model flavor, and sets
+    its global batch (left at -1 it would grow with the number of ranks, and the loss curve with it)."""
     path = REPO / "configs" / name
     config = load_config(["--config", str(path)])
     written = tomllib.loads(path.read_text())
@@ -119,6 +120,10 @@ def test_shipped_configs_load(name):
         for key, value in keys.items():
             assert getattr(getattr(config, section), key) == value, f"{name}: [{section}] {key}"
     check_flavor(get_model_spec(config.model.name), config.model.flavor)
+    global_batch = written["training"].get("global_batch_size", -1)
+    assert global_batch > 0 and global_batch % config.training.local_batch_size == 0, (
+        f"{name}: set [training] global_batch_size, a multiple of local_batch_size"
+    )
 
 
 def test_every_key_is_documented():

@@ -245,3 +245,40 @@ def test_estimate_memory_counts_each_ranks_shards():
     assert estimate["weights_gib"] == pytest.approx(4 * estimate["parameters"] / 2**30, abs=0.01)
     assert estimate["optimizer_gib"] == pytest.approx(2 * estimate["weights_gib"], abs=0.02)
     assert 0 < estimate["activations_gib"] < estimate["total_gib"]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_run_with_one_error_line_after_the_timeout(tmp_path):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits job.collective_timeout_s in its next
+    collective, then the run ends with one `error:` line that says a rank is hung or gone."""
+    import re
+    import signal
+    import time
+
+    from conftest import descendants, start_train
+
+    log = tmp_path / "log.txt"
+    args = [*TINY, "--training.steps", "1000", "--job.collective_timeout_s", "8", "--job.dump_folder", str(tmp_path / "run")]
+    process = start_train(args, nproc=2, log=log)
+    deadline = time.time() + 120
+    while not re.search(r"step +3 \|", log.read_text()) and time.time() < deadline and process.poll() is None:
+        time.sleep(0.5)
+    workers = [pid for pid in descendants(process.pid) if "train.py" in open(f"/proc/{pid}/cmdline").read()]
+    rank1 = [pid for pid in workers if "RANK=1\0" in open(f"/proc/{pid}/environ").read()]
+    os.kill(rank1[0], signal.SIGSTOP)
+    started = time.time()
+    try:  # (torchrun then waits for the stopped rank before killing it: not what is tested)
+        while "error:" not in log.read_text() and time.time() - started < 60:
+            time.sleep(0.5)
+        time.sleep(1)
+    finally:
+        for pid in descendants(process.pid) + [process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    output = log.read_text()
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "waited job.collective_timeout_s = 8 s in a collective" in errors[0], output[-3000:]
+    assert "another rank is hung or gone" in errors[0] and "Timed out waiting" not in output
+    assert 8 <= time.time() - started < 60

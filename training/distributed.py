@@ -30,6 +30,8 @@ def setup_logging() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(
         lambda record: "sequential all_reduce" not in record.getMessage()
     )
+    if torch.version.cuda is None:
+        quiet_torchao_on_cpu()
     prefix = f"[rank{rank()}] " if world_size() > 1 and rank() != 0 else ""
     logging.basicConfig(
         level=logging.INFO if rank() == 0 else logging.WARNING,
@@ -38,6 +40,19 @@ def setup_logging() -> None:
         stream=sys.stdout,
         force=True,
     )
+
+
+def quiet_torchao_on_cpu() -> None:
+    """torchao (float8) ships CUDA kernels and Triton ones: on a CPU build of torch, importing it logs
+    that each failed to load, and torch that the enums it registers need no registration. Nothing
+    there is for a CPU run to act on (float8 is emulated), so those lines are dropped."""
+    noise = {
+        "torchao": "Failed to load ",
+        "torchao.kernel.intmm": "Warning: Detected no triton",
+        "torch.utils._pytree": "is an Enum subclass and is now natively supported",
+    }
+    for name, text in noise.items():
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
 
 
 def select_device(choice: str) -> torch.device:
@@ -59,17 +74,43 @@ def select_device(choice: str) -> torch.device:
     return device
 
 
-def init_process_group(device: torch.device) -> None:
+def init_process_group(device: torch.device, timeout_s: float = 600.0) -> None:
     """Join the torchrun job; a plain `python train.py` forms a group of one, so the code path (and
-    the device mesh) is the same for every launch."""
+    the device mesh) is the same for every launch. timeout_s: how long a collective waits for
+    every rank (job.collective_timeout_s)."""
+    global _timeout_s
     if dist.is_initialized():
         return
+    _timeout_s = timeout_s
     # gloo serves CPU tensors (also on GPU machines, for small host-side reductions).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+_timeout_s = 600.0  # job.collective_timeout_s, as the process group was made with
+# What gloo (and NCCL, where it raises) say when a peer hangs or is gone.
+_TIMED_OUT = ("Timed out waiting", "timed out", "Timeout")
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """The one-line cause of a collective that failed because another rank hung or died (None for
+    any other error): the other rank's own output has its cause."""
+    text = str(error)
+    if any(marker in text for marker in _TIMED_OUT):
+        return (
+            f"rank {rank()} waited job.collective_timeout_s = {_timeout_s:g} s in a collective: another rank "
+            "is hung or gone (its output says why; raise the timeout for steps or loads slower than this)"
+        )
+    if any(marker in text for marker in _PEER_GONE) or isinstance(error, dist.DistBackendError):
+        return (
+            f"rank {rank()} lost its connection to another rank, which stopped or crashed "
+            "(its output says why)"
+        )
+    return None
 
 
 def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

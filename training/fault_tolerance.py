@@ -43,6 +43,12 @@ from models.moe import moe_layers
 logger = logging.getLogger(__name__)
 
 
+def record_folder(dump_folder: Path, config: Config) -> Path:
+    """Where a run's metrics.jsonl, tb/ and config.toml go: each replica group keeps its own in
+    replica_<id>/ (checkpoints are shared: one group writes them into the dump folder's)."""
+    return dump_folder / f"replica_{config.replica_id}" if config.enable else dump_folder
+
+
 class StepAbandoned(Exception):
     """A step ended early among replica groups: a group failed during it (no group updates), or
     this group healed from a peer at a local_sgd sync (its state is now the peer's). The loop goes
@@ -159,10 +165,6 @@ class FaultTolerance:
         losses = losses.detach().to(self.loss_device, dtype)
         self._sum_in_place(losses)
         return losses
-
-    def record_folder(self, dump_folder: Path) -> Path:
-        """Where this group's metrics.jsonl, tb/ and config.toml go (checkpoints are shared)."""
-        return dump_folder / f"replica_{self.replica_id}" if self.enabled else dump_folder
 
     def combine_groups(self, model_parts: list[nn.Module], optimizers) -> None:
         """How the groups' training adds up: every FSDP unit's reduced gradient shards summed over

@@ -1,8 +1,9 @@
-"""Progress line, metrics.jsonl and TensorBoard: throughput, MFU, memory and ETA per logged step.
+"""Progress line, metrics.jsonl, TensorBoard and W&B: throughput, MFU, memory and ETA per logged step.
 
 metrics.jsonl holds one training record per logged step, in step order, and after it that step's
 validation record if any: a resumed run first drops the records of the steps it redoes (logged
 after its checkpoint, before the run stopped), and TensorBoard drops their events (purge_step).
+W&B gets TensorBoard's scalars (training/wandb_writer.py).
 
 tps is tokens per second per device (global tokens / time / world size), as torchtitan reports it.
 TFLOP/s per device = tps x flops_per_token, where flops_per_token is the model's own count
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from configs import UserError
+from training.wandb_writer import WandbWriter
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +72,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def check_fresh_record(dump_folder: Path, continued: bool) -> None:
-    """A run that does not continue from a checkpoint (or, a replica group of fault tolerance, its
-    own records after a restart) must not add its records to another run's (metrics.jsonl would
-    hold two runs' steps, tb/ two event files)."""
-    record = dump_folder / "metrics.jsonl"
-    if not continued and record.exists() and record.stat().st_size > 0:
-        raise UserError(
-            f"job.dump_folder '{dump_folder}' already holds a run (metrics.jsonl) and there is no "
-            "checkpoint of it to continue (checkpoint.enable); choose a new job.dump_folder or remove "
-            "that run's files"
-        )
-
-
 class MetricsLogger:
     """Collects per-step timings; every log_freq steps prints a line and appends to metrics.jsonl."""
 
@@ -100,10 +88,12 @@ class MetricsLogger:
         write: bool,
         enable_tensorboard: bool,
         resumed_step: int | None = 0,
+        wandb: WandbWriter | None = None,
     ):
         """resumed_step: the step of the checkpoint this run resumed from (0 for a new run); the
         records of later steps, logged by an earlier run in this folder, are dropped (None: kept, for
-        a fault-tolerant replica group, which continues its records after a restart)."""
+        a fault-tolerant replica group, which continues its records after a restart). wandb: rank 0's
+        W&B run (training/wandb_writer.py), sent the scalars TensorBoard gets."""
         self.device = device
         self.tokens_per_step = tokens_per_step
         self.world_size = world_size
@@ -122,6 +112,11 @@ class MetricsLogger:
             # TensorBoard hides the events of steps >= purge_step written before this point.
             purge = None if resumed_step is None else resumed_step + 1
             self.tensorboard = SummaryWriter(str(Path(dump_folder) / "tb"), purge_step=purge)
+        self.wandb = wandb
+        # On a CPU TFLOP/s round to 0.0 and no peak is known for MFU: the progress line leaves both out.
+        self.show_flops = device.type != "cpu" or bool(peak)
+        if not self.show_flops:
+            logger.info("on CPU the progress line leaves out tflops and mfu (metrics.jsonl keeps them)")
         self.last_time = time.perf_counter()
         self.last_step = 0
         self.paused_seconds = 0.0  # in the current window, not training (validation, saves)
@@ -192,12 +187,13 @@ class MetricsLogger:
             **(extra or {}),
         }
         eta = _duration(step_time * (self.total_steps - step))
-        mfu = f"{record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+        flops = f" | tflops {tflops:.1f}" if self.show_flops else ""
+        mfu = f" | mfu {record['mfu']:.1f}%" if record["mfu"] is not None else ""  # none: no known peak
         experts = f" | moe max load {record['moe_max_load']:.2f}" if "moe_max_load" in record else ""
         logger.info(
             f"step {step:>{len(str(self.total_steps))}} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | "
-            f"lr {lr:.2e} | tok/s {tps:,.0f} | tflops {tflops:.1f} | mfu {mfu} | "
-            f"mem {record['memory_gib']:.2f} GiB | eta {eta}{experts}"
+            f"lr {lr:.2e} | tok/s {tps:,.0f}{flops}{mfu} | mem {record['memory_gib']:.2f} GiB | "
+            f"eta {eta}{experts}"
         )
         self._write(record)
         self.start(step)
@@ -217,16 +213,21 @@ class MetricsLogger:
             return
         with self.jsonl.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        numbers = lambda value: isinstance(value, (int, float))
+        scalars = {key: value for key, value in record.items() if key != "step" and numbers(value)}
+        read = record.get("source_samples", {})
+        total = max(sum(read.values()), 1)
+        for name, samples in read.items():  # each source's share of the samples read so far
+            scalars[f"data_share/{name}"] = samples / total
         if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, record["step"])
-            read = record.get("source_samples", {})
-            total = max(sum(read.values()), 1)
-            for name, samples in read.items():  # each source's share of the samples read so far
-                self.tensorboard.add_scalar(f"data_share/{name}", samples / total, record["step"])
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, record["step"])
             self.tensorboard.flush()
+        if self.wandb is not None:
+            self.wandb.add_scalars(scalars, record["step"])
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.close()

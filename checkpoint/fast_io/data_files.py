@@ -14,7 +14,8 @@ platform has none, the same buffers are written the ordinary way and fsync'ed at
 DCP's FileSystemReader reads a rank's share one file after another and one tensor after another in
 the calling thread (torch.load of each record, then a copy to the tensor's device). ParallelReader
 reads them in parallel threads, each thread a run of records in file order (torch.load's reads and
-the copies release the GIL).
+the copies release the GIL); it is a DataOnlyReader (checkpoint/data_only.py): nothing it reads is
+unpickled as anything but data.
 """
 
 import dataclasses
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from checkpoint.data_only import DataOnlyReader
 from checkpoint.integrity import PIECE_BYTES
 
 SMALL_WRITE = 64 * 1024  # bytes; larger writes are copied by numpy, without the GIL
@@ -178,21 +180,22 @@ def storage_writer(folder: Path, threads: int, direct: bool) -> FileSystemWriter
     return writer
 
 
-class ParallelReader(FileSystemReader):
-    """FileSystemReader reading its plan's records in `threads` parallel threads: the records in
+class ParallelReader(DataOnlyReader):
+    """DataOnlyReader reading its plan's records in `threads` parallel threads: the records in
     file order, cut into runs of about equal bytes, one run per thread (so that one large file, as
     a conversion script writes, or the few files a rank reads after a layout change, are read in
     parallel too)."""
 
     def __init__(self, folder: Path, threads: int):
-        super().__init__(str(folder))
+        super().__init__(folder)
         self.threads = threads
         self.timings: dict[str, float] = {}  # seconds of read_data's parts, for the resume's log line
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         # Byte records (train state, data cursor, the optimizer's hyperparameters) change the state
-        # dict's structure: read them here. Tensors are copied into tensors that exist already, each
-        # by one thread.
+        # dict's structure: read them here, as data only (DataOnlyReader). Tensors (DCP's reader
+        # loads them with weights_only=True) are copied into tensors that exist already, each by
+        # one thread.
         start = time.perf_counter()
         byte_records = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
         super().read_data(dataclasses.replace(plan, items=byte_records), planner)
