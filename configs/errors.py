@@ -18,9 +18,12 @@ def claims_error_line() -> bool:
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if "WORLD_SIZE" not in os.environ or not run:
         return True
-    # This launch's workers share their parent (torchrun's agent) and restart count; the run id
-    # alone may repeat ("none" unless --rdzv-id is given).
-    launch = f"{run}-{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    # A launch: its run id (unique with --standalone and scripts/launch_monarch.py; "none" unless
+    # torchrun is given --rdzv-id, then the workers' shared parent, torchrun's agent, tells it),
+    # the restart count, and the node.
+    owner = os.getppid() if run == "none" else ""
+    restart, node = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), os.environ.get("GROUP_RANK", "0")
+    launch = f"{run}-{owner}-{restart}-{node}"
     marker = os.path.join(tempfile.gettempdir(), f"recipe-error-{os.getuid()}-{launch}")
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
