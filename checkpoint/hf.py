@@ -11,6 +11,9 @@ Float8 checkpoints with block scales (DeepSeek-V3's, Kimi K2's): a weight `X.wei
 beside `X.weight_scale_inv` (in any file of the folder), one float32 scale per block of
 FLOAT8_BLOCK x FLOAT8_BLOCK values (the last blocks partial), is dequantized while read: the box
 read is multiplied by the scales of the blocks it overlaps, which alone are read.
+
+MXFP4 checkpoints (gpt-oss's experts): a tensor `X` stored as `X_blocks` and `X_scales`
+(checkpoint/mxfp4.py) is dequantized while read, the box reading only its rows and blocks.
 """
 
 import contextlib
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from checkpoint import mxfp4
 from configs import UserError
 from data.tokenizer import Tokenizer, build_tokenizer
 from models.hf_adapter import StateDictAdapter
@@ -93,7 +97,10 @@ class Location:
     expert: int | None = None
     """The index in dim 0 of our stacked tensor that this Hugging Face tensor fills; None: all of it."""
     scale: "Location | None" = None
-    """Where a float8 weight's block scales (`<hf_name>_scale_inv`) lie; None: stored unscaled."""
+    """Where a float8 weight's block scales (`<hf_name>_scale_inv`) lie, or an MXFP4 tensor's scales;
+    None: stored unscaled."""
+    mxfp4: bool = False
+    """Stored as MXFP4 blocks (hf_name `X_blocks`, shape the blocks'), with scales."""
 
 
 def locate(
@@ -113,9 +120,16 @@ def locate(
                     shape = tuple(tensors.get_slice(hf_name).get_shape())
                     scales[hf_name.removesuffix(SCALE_SUFFIX)] = Location(file, hf_name, shape)
                     continue
+                if hf_name.endswith(mxfp4.SCALES_SUFFIX):  # an MXFP4 tensor's, keyed by its blocks' name
+                    shape = tuple(tensors.get_slice(hf_name).get_shape())
+                    blocks = hf_name.removesuffix(mxfp4.SCALES_SUFFIX) + mxfp4.BLOCKS_SUFFIX
+                    scales[blocks] = Location(file, hf_name, shape)
+                    continue
                 stored.add(hf_name)
+                packed = hf_name.endswith(mxfp4.BLOCKS_SUFFIX)
+                tensor_name = hf_name.removesuffix(mxfp4.BLOCKS_SUFFIX) if packed else hf_name
                 try:
-                    name, expert = adapter.from_hf_name(hf_name), adapter.expert_index(hf_name)
+                    name, expert = adapter.from_hf_name(tensor_name), adapter.expert_index(tensor_name)
                 except KeyError as e:
                     raise UserError(f"{file}: {e.args[0]} (is this checkpoint of another model?)") from None
                 if name not in shapes:
@@ -124,10 +138,14 @@ def locate(
                 ours = tuple(shapes[name])
                 # An expert's tensor is an nn.Linear weight (out, in) of our (experts, in, out).
                 expected = ours if expert is None else (ours[2], ours[1])
-                if shape != expected or (expert is not None and expert >= ours[0]):
+                holds = mxfp4.unpacked_shape(shape) if packed and len(shape) >= 3 else shape
+                if holds != expected or (expert is not None and expert >= ours[0]):
                     what = "" if expert is None else f" (expert {expert}: {expected} each)"
-                    raise UserError(f"{file}: {hf_name} is {shape}, but the model's {name} is {ours}{what}")
-                found[name].append(Location(file, hf_name, shape, expert))
+                    packing = f" ({holds} unpacked)" if packed else ""
+                    raise UserError(
+                        f"{file}: {hf_name} is {shape}{packing}, but the model's {name} is {ours}{what}"
+                    )
+                found[name].append(Location(file, hf_name, shape, expert, mxfp4=packed))
     pieces = lambda name: shapes[name][0] if adapter.is_stacked(name) else 1
     missing = sorted(name for name in shapes if len({loc.expert for loc in found[name]}) < pieces(name))
     if missing:
@@ -143,7 +161,17 @@ def locate(
 def _with_scale(location: Location, scale: Location | None) -> Location:
     """location with its block scales, whose shape is checked: one per block of the weight."""
     if scale is None:
+        if location.mxfp4:
+            scales = location.hf_name.removesuffix(mxfp4.BLOCKS_SUFFIX) + mxfp4.SCALES_SUFFIX
+            raise UserError(f"{location.file}: {location.hf_name} is MXFP4 without the {scales} scaling it")
         return location
+    if location.mxfp4:
+        if not mxfp4.scales_fit(location.shape, scale.shape):
+            raise UserError(
+                f"{scale.file}: {scale.hf_name} is {scale.shape}, but {location.hf_name} {location.shape} "
+                f"has {location.shape[:-1]} blocks of {mxfp4.VALUES_PER_BLOCK} values"
+            )
+        return replace(location, scale=scale)
     blocks = tuple(-(-size // FLOAT8_BLOCK) for size in location.shape)
     if len(location.shape) != 2 or scale.shape != blocks:
         raise UserError(
@@ -156,7 +184,10 @@ def _with_scale(location: Location, scale: Location | None) -> Location:
 def _read(files: Files, location: Location, box: tuple[slice, ...]) -> torch.Tensor:
     """The box (a slice per dim) of a Hugging Face tensor as stored there; a float8 weight's values
     times their blocks' scales, in float32 (DeepSeek's product), reading only the scales of the
-    blocks the box overlaps."""
+    blocks the box overlaps; an MXFP4 tensor's box (in our layout) dequantized (bfloat16)."""
+    if location.mxfp4:
+        scales = files(location.scale.file).get_slice(location.scale.hf_name)
+        return mxfp4.read_box(files(location.file).get_slice(location.hf_name), scales, box)
     values = files(location.file).get_slice(location.hf_name)[box]
     if location.scale is None:
         if values.is_floating_point() and values.element_size() == 1:

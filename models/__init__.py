@@ -14,6 +14,7 @@ MODEL_PACKAGES = {
     "qwen3": "models.qwen3",
     "qwen3_moe": "models.qwen3_moe",
     "deepseek_v3": "models.deepseek_v3",
+    "gpt_oss": "models.gpt_oss",
 }
 
 

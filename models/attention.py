@@ -7,6 +7,10 @@ micro-batch (`document_mask`) and the model hands it, untouched, to every attent
 the mask is a flex-attention BlockMask (fully masked tiles are skipped: the shorter the documents,
 the less work; flex's kernel is slower than the cuDNN one of causal attention, see
 docs/performance.md); elsewhere it is a boolean tensor for SDPA (flex attention has no CPU backward).
+
+Attention with sinks (gpt-oss, SinkAttentionKernel) always takes a mask, which its model builds
+once per forward from the same pieces: `causal_mask` (or the document mask) for its full layers,
+and `within_window` of it for its sliding-window layers.
 """
 
 import functools
@@ -15,7 +19,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    and_masks,
+    create_block_mask,
+    flex_attention,
+)
 
 AttentionMask = BlockMask | torch.Tensor
 """What `document_mask` builds and the kernels take; None means plain causal attention."""
@@ -54,6 +64,44 @@ class LatentAttentionKernel(nn.Module):
         (batch, heads, seq, head_dim and value dim, which may differ from head_dim)."""
         k, v = expand(latent)
         return causal_attention(q, k, v, mask)
+
+
+class SinkAttentionKernel(nn.Module):
+    """Attention with a learned sink per head (gpt-oss): each query's softmax runs over its keys and
+    one more logit, the head's sink, whose value is zero, so a head can give a token little or no
+    attention. Which keys a query sees is the mask's to say (causal, a sliding window, documents).
+
+    A module of its own so that parallelisms can swap it: context parallelism gathers K and V and
+    attends this rank's queries with the same mask (parallelisms/context_parallel.py).
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """q (batch, heads, queries, head_dim); k, v may have fewer heads (GQA); sinks (heads,)."""
+        return sink_attention(q, k, v, sinks, mask)
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: AttentionMask
+) -> torch.Tensor:
+    """softmax([q k^T / sqrt(d), sink]) [v, 0] under the mask (True: attend). On CUDA with a block
+    mask, flex attention: its tiles outside the mask (beyond a sliding window, other documents) are
+    skipped, and the sink enters afterwards through flex's log-sum-exp L of the keys: the softmax
+    with the sink is the one without it times exp(L) / (exp(L) + exp(sink)) = sigmoid(L - sink).
+    Elsewhere (the CPU, tests), the scores are written out and the sink is one more column."""
+    sinks = sinks.float().view(1, -1, 1)
+    if isinstance(mask, BlockMask):
+        flex = _compiled_flex_attention()
+        out, aux = flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=_flex_tiles(q),
+                        return_aux=AuxRequest(lse=True))  # fmt: skip
+        return (out * torch.sigmoid(aux.lse - sinks).unsqueeze(-1)).to(q.dtype)
+    heads = q.shape[1]
+    keys, values = (t.float().repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    scores = (q.float() @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    with_sink = torch.cat([scores, sinks.unsqueeze(-1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return (with_sink.softmax(dim=-1)[..., :-1] @ values).to(q.dtype)
 
 
 def causal_attention(
@@ -137,3 +185,35 @@ def document_mask(documents: torch.Tensor, query_positions: torch.Tensor | None 
 def _compiled_create_block_mask():
     # Compiled, the mask is evaluated tile by tile instead of as a (queries x keys) boolean tensor.
     return torch.compile(create_block_mask)
+
+
+def causal_mask(query_positions: torch.Tensor, key_count: int) -> AttentionMask:
+    """The mask of causal attention of queries at `query_positions` (on the device the mask is for)
+    against keys 0 .. key_count - 1: a block mask on CUDA, a boolean tensor elsewhere."""
+    if query_positions.device.type != "cuda":
+        keys = torch.arange(key_count, device=query_positions.device)
+        return (keys[None, :] <= query_positions[:, None])[None, None]  # (1, 1, queries, keys)
+
+    def causal(b, h, q_index, kv_index):
+        return kv_index <= query_positions[q_index]
+
+    build = _compiled_create_block_mask()
+    return build(causal, None, None, len(query_positions), key_count, device=query_positions.device)
+
+
+def within_window(mask: AttentionMask, query_positions: torch.Tensor, window: int) -> AttentionMask:
+    """mask (causal_mask's or document_mask's, for queries at query_positions) restricted to a
+    sliding window: a query at position p sees only keys p - window + 1 .. p. As a block mask, the
+    tiles wholly outside the window are then skipped."""
+    if isinstance(mask, torch.Tensor):
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        return mask & (query_positions[:, None] - keys[None, :] < window)
+
+    def in_window(b, h, q_index, kv_index):
+        return query_positions[q_index] - kv_index < window
+
+    batch = mask.kv_num_blocks.shape[0] if mask.kv_num_blocks.shape[0] > 1 else None
+    queries, keys = mask.seq_lengths
+    build = _compiled_create_block_mask()
+    device = mask.kv_num_blocks.device
+    return build(and_masks(mask.mask_mod, in_window), batch, None, queries, keys, device=device)

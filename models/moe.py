@@ -27,15 +27,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.grouped_experts import GroupedExperts, local_tensor
+from models.grouped_experts import ClampedSwiGLUExperts, GroupedExperts, local_tensor
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 GROUP_SCORES = ("top2_sum", "max")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """A family's args dataclass has these fields under the same names (MoEArgs.of(args))."""
+    """A family's args dataclass has these fields under the same names (MoEArgs.of(args)), those
+    without a default at least."""
 
     n_experts: int
     top_k: int
@@ -62,6 +64,14 @@ class MoEArgs:
     to update_expert_bias(); 0: the expert bias stays zero."""
     aux_loss_coeff: float = 0.0
     """Weight in the objective of every layer's per-sequence load-balance loss; 0: none."""
+    router_bias: bool = False
+    """The router's projection has a bias (gpt-oss)."""
+    expert_activation: str = "swiglu"
+    """The routed experts: "swiglu", w2(silu(x w1) * x w3) without biases (Qwen3, DeepSeek), or
+    "clamped_swiglu", gpt-oss's: projections with biases, gate clamped above at swiglu_limit, up to
+    +-swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1) (models/grouped_experts.py)."""
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         """Shapes that cannot route (ValueError, reported as the run's error line)."""
@@ -73,6 +83,12 @@ class MoEArgs:
             raise ValueError(f"score_func '{self.score_func}' is not one of {', '.join(SCORE_FUNCS)}")
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score '{self.group_score}' is not one of {', '.join(GROUP_SCORES)}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(
+                f"expert_activation '{self.expert_activation}' is not one of {', '.join(EXPERT_ACTIVATIONS)}"
+            )
+        if self.swiglu_limit <= 0:
+            raise ValueError(f"swiglu_limit {self.swiglu_limit} must be > 0")
         if self.n_expert_groups < 1 or self.n_experts % self.n_expert_groups:
             raise ValueError(
                 f"n_experts {self.n_experts} must be divisible by n_expert_groups {self.n_expert_groups}"
@@ -96,8 +112,10 @@ class MoEArgs:
 
     @classmethod
     def of(cls, args) -> "MoEArgs":
-        """The MoE fields of a family's flat args dataclass (flat, so that model.args overrides them)."""
-        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
+        """The MoE fields of a family's flat args dataclass (flat, so that model.args overrides them);
+        a field the family does not define keeps its default here."""
+        names = (field.name for field in dataclasses.fields(cls))
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 MOE_OPTIONS = tuple(field.name for field in dataclasses.fields(MoEArgs))
@@ -222,8 +240,13 @@ class MoE(nn.Module):
     def __init__(self, dim: int, args: MoEArgs, out_init_std: float = 0.02):
         super().__init__()
         self.dim, self.args, self.out_init_std = dim, args, out_init_std
-        self.router = nn.Linear(dim, args.n_experts, bias=False)
-        self.experts = GroupedExperts(args.n_experts, dim, args.expert_hidden_dim)
+        self.router = nn.Linear(dim, args.n_experts, bias=args.router_bias)
+        if args.expert_activation == "clamped_swiglu":
+            self.experts = ClampedSwiGLUExperts(
+                args.n_experts, dim, args.expert_hidden_dim, args.swiglu_alpha, args.swiglu_limit
+            )
+        else:
+            self.experts = GroupedExperts(args.n_experts, dim, args.expert_hidden_dim)
         self.shared_experts = SharedExperts(dim, args.shared_hidden_dim) if args.shared_hidden_dim else None
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         self.register_buffer(
@@ -254,7 +277,9 @@ class MoE(nn.Module):
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """tokens (n, dim) -> float32 scores (n, n_experts), chosen experts and gate values (n, top_k)."""
-        scores = expert_scores(F.linear(tokens, local_tensor(self.router.weight)), self.args.score_func)
+        bias = local_tensor(self.router.bias) if self.router.bias is not None else None
+        logits = F.linear(tokens, local_tensor(self.router.weight), bias)
+        scores = expert_scores(logits, self.args.score_func)
         experts, gates = choose_experts(scores, self.expert_bias, self.args)
         return scores, experts, gates
 
@@ -290,11 +315,13 @@ class MoE(nn.Module):
     def active_parameters(self) -> int:
         """Parameters one token goes through (router, top_k routed experts, shared experts): FLOPs."""
         shared = sum(p.numel() for p in self.shared_experts.parameters()) if self.shared_experts else 0
-        routed = self.args.top_k * 3 * self.dim * self.args.expert_hidden_dim
-        return self.router.weight.numel() + routed + shared
+        per_expert = sum(p.numel() for p in self.experts.parameters()) // self.args.n_experts
+        return sum(p.numel() for p in self.router.parameters()) + self.args.top_k * per_expert + shared
 
     def init_weights(self) -> None:
         nn.init.trunc_normal_(self.router.weight, mean=0.0, std=0.02)
+        if self.router.bias is not None:
+            nn.init.zeros_(self.router.bias)
         self.experts.init_weights(self.out_init_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(self.out_init_std)

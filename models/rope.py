@@ -5,7 +5,8 @@ gpt-oss configure it). One implementation for every family that needs it.
 Pairs of dimensions rotating fast (more than beta_fast turns over the original context) keep their
 frequency; those rotating slowly (under beta_slow turns) are interpolated, their frequency divided
 by `factor`; between the two a linear ramp blends both. Hugging Face's and DeepSeek's reference
-round the ramp's ends to whole dimensions; so does this.
+round the ramp's ends to whole dimensions, and so does this unless `truncate` is off (gpt-oss's
+configuration: the ramp starts and ends between dimensions).
 """
 
 import math
@@ -27,6 +28,9 @@ class Yarn:
     mscale_all_dim: float = 0.0
     """Scales log(factor) in the temperature of every dimension (the softmax scale, squared);
     0: none. DeepSeek sets both to the same value, which cancels in cos and sin."""
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (Hugging Face's `truncate`, on unless a config says
+    otherwise; gpt-oss's says false)."""
 
     @property
     def enabled(self) -> bool:
@@ -47,8 +51,10 @@ def rope_frequencies(dim: int, theta: float, yarn: Yarn | None = None) -> torch.
     def dimension_of(turns: float) -> float:  # the pair index that turns `turns` times over the context
         return dim * math.log(yarn.original_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(dimension_of(yarn.beta_fast)), 0)
-    high = min(math.ceil(dimension_of(yarn.beta_slow)), dim - 1)
+    low, high = dimension_of(yarn.beta_fast), dimension_of(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # (as the references do: no division by zero)
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -166,7 +166,8 @@ def _with_changes(args: Any, changes: list[str]) -> Any:
     for change in changes:
         name, has_value, raw = change.partition("=")
         name = name.strip()
-        if has_value and name in MOE_OPTIONS and name not in hints:
+        has_experts = any(option in hints for option in MOE_OPTIONS)
+        if has_value and name in MOE_OPTIONS and not has_experts:
             raise UserError(
                 f"model.args: '{name}' is a Mixture-of-Experts option and {type(args).__name__} has no "
                 "experts (choose a model.name with experts, e.g. qwen3_moe)"

@@ -12,7 +12,10 @@ merged by log-sum-exp (parallelisms/attention_parts.py), so every part runs on t
 causal attention (cuDNN on the H200) instead of a lower-right-masked one. In backward, the gathered
 keys' gradients are computed first and reduce-scattered to their owners while the local parts'
 gradients are computed. With a document mask (models/attention.py) a rank's queries attend to the
-gathered keys under the mask built for their positions. Works on gloo (CPU) and NCCL (CUDA) alike.
+gathered keys under the mask built for their positions. Attention with sinks (gpt-oss) does the
+same with the mask its model built (causal, within a window, documents), so on CUDA the block mask
+skips every tile beyond a query chunk's window and after its end. Works on gloo (CPU) and NCCL
+(CUDA) alike.
 """
 
 import functools
@@ -24,7 +27,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from configs import UserError
-from models.attention import AttentionMask, CausalAttentionKernel, LatentAttentionKernel, masked_attention
+from models.attention import (
+    AttentionMask,
+    CausalAttentionKernel,
+    LatentAttentionKernel,
+    SinkAttentionKernel,
+    masked_attention,
+    sink_attention,
+)
 from parallelisms.attention_parts import merge, part_backward, part_forward
 
 
@@ -280,9 +290,30 @@ class ContextParallelLatentAttention(nn.Module):
         return masked_attention(q, keys, values, mask)
 
 
+class ContextParallelSinkAttention(nn.Module):
+    """Attention with sinks (models.attention.SinkAttentionKernel, gpt-oss) under context
+    parallelism: every rank's K and V all-gathered into sequence order, this rank's queries attending
+    to them under the mask its model built for their positions against the whole sequence (causal
+    or documents, within the window in sliding blocks); backward reduce-scatters the K/V gradients.
+    A sliding block's keys outside every window of the rank's chunks are gathered but not attended:
+    on CUDA the block mask skips their tiles; the sinks join each query's softmax as without CP."""
+
+    def __init__(self, exchange: KVExchange):
+        super().__init__()
+        self.exchange = exchange
+
+    @torch.compiler.disable  # collectives: run eagerly, between graphs
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        keys, values = _GatherChunks.apply(torch.stack([k, v]), self.exchange)
+        return sink_attention(q, keys, values, sinks, mask)
+
+
 KERNELS = {
     CausalAttentionKernel: ContextParallelAttention,
     LatentAttentionKernel: ContextParallelLatentAttention,
+    SinkAttentionKernel: ContextParallelSinkAttention,
 }
 
 
@@ -294,7 +325,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     if not kernels and has_layers:
         raise UserError(
             "context parallelism needs the model's attention to call models.attention.CausalAttentionKernel "
-            f"or LatentAttentionKernel; {type(model).__name__} has none"
+            f"(or LatentAttentionKernel, SinkAttentionKernel); {type(model).__name__} has none"
         )
     for name, kernel in kernels:
         parent, _, child = name.rpartition(".")

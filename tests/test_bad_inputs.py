@@ -236,6 +236,13 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
                                      "2", "--parallelism.pipeline_parallel_split_points", "layers.3"],
              "pipeline_parallel_split_points: ['layers.3'] are not layers"),
         ]],
+        *[(f"gpt_oss {name}", ["--model.name", "gpt_oss", *argv], expected) for name, argv, expected in [
+            ("TP vs KV heads", ["--job.dry_run", "--job.dry_run_world_size", "4", "--parallelism.tensor_parallel_degree", "4"],
+             "tensor_parallel_degree 4 does not divide model n_kv_heads (2)"),
+            ("window", ["--model.args", "sliding_window=-1"], "sliding_window -1 must be >= 0"),
+            ("expert activation", ["--model.args", "expert_activation=gelu"],
+             "expert_activation 'gelu' is not one of swiglu, clamped_swiglu"),
+        ]],
         ("MTP on a family without it", ["--model.args", "mtp_depth=1"], "'mtp_depth=1' is not name=value for a field of Llama3Args"),
         ("no data path", ["--training.dataset", "text"], "training.dataset_path is required"),
         ("missing data", ["--training.dataset", "text", "--training.dataset_path", str(root / "nowhere/*.jsonl")],

@@ -21,7 +21,14 @@ import torch
 from conftest import REPO, SHORT_DOCUMENTS, read_metrics, run_train
 from test_context_parallel import check_chunk_attention
 
-from models.attention import document_ids, document_mask, masked_attention
+from models.attention import (
+    causal_mask,
+    document_ids,
+    document_mask,
+    masked_attention,
+    sink_attention,
+    within_window,
+)
 from parallelisms.context_parallel import local_positions
 
 pytestmark = pytest.mark.gpu
@@ -155,6 +162,7 @@ DOCUMENTS = ("--model.attention_mask", "document", "--training.dataset", "text",
              "--training.dataset_path", SHORT_DOCUMENTS)  # fmt: skip
 # Mixture of Experts (qwen3_moe debugmodel; fp32, so the per-expert loop, not grouped GEMM).
 MOE = ("--model.name", "qwen3_moe")
+GPT_OSS = ("--model.name", "gpt_oss")
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
 # name: (GPUs, overrides the one-GPU reference shares, the layout's own overrides)
 VARIANT_LAYOUTS = {
@@ -166,6 +174,9 @@ VARIANT_LAYOUTS = {
     "moe_tp2": (2, MOE, ["--training.local_batch_size", "8", *TP2]),
     "moe_pp2": (2, MOE, ["--training.local_batch_size", "8", *PP2]),
     "moe_cp2_ep2": (2, MOE, ["--training.local_batch_size", "8", *CP2, *EP2]),
+    # gpt-oss (windows of 64 in blocks 0 and 2, attention sinks): flex attention under block masks.
+    "gpt_oss_cp2_document": (2, (*GPT_OSS, *DOCUMENTS), ["--training.local_batch_size", "8", *CP2]),
+    "gpt_oss_ep2_compile": (2, GPT_OSS, ["--training.local_batch_size", "4", *EP2, "--compile.enable"]),
 }  # fmt: skip
 
 
@@ -207,6 +218,40 @@ def test_flex_document_mask_equals_the_boolean_mask(dtype, head_dim):
             else:  # bf16: two kernels' roundings; at head dim 128 a few of 500k gradients differ by > 5e-2
                 error = (flex.float() - boolean.float()).norm() / boolean.float().norm()
                 assert error < 1e-2, error
+
+
+@gpus(1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_sink_attention_equals_the_boolean_mask(dtype):
+    """gpt-oss's attention on CUDA (flex attention under a block mask, the sink entering through its
+    log-sum-exp) against the CPU path's (scores written out, the sink one more column): causal and
+    in a window of 128, with and without documents, for whole sequences and a context-parallel
+    rank's chunks; outputs and the gradients of queries, keys, values and sinks."""
+    torch.manual_seed(0)
+    seq, eos = 1024, 7
+    documents = document_ids(torch.randint(0, 64, (2, seq), device="cuda"), eos)  # ~64-token documents
+    q = torch.randn(2, 8, seq, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, seq, 64, device="cuda", dtype=dtype) for _ in range(2))
+    sinks = torch.randn(8, device="cuda")
+    for queries in (torch.arange(seq, device="cuda"), local_positions(seq, 1, 4).cuda()):
+        for window in (None, 128):
+            for with_documents in (False, True):
+                outputs = []
+                for device in ("cuda", "cpu"):  # a block mask; the boolean mask, moved to the GPU
+                    at = queries.to(device)
+                    mask = document_mask(documents.to(device), at) if with_documents else causal_mask(at, seq)
+                    mask = within_window(mask, at, window) if window else mask
+                    mask = mask.cuda() if device == "cpu" else mask
+                    leaves = [t.detach().requires_grad_() for t in (q[:, :, queries], k, v, sinks)]
+                    out = sink_attention(*leaves, mask)
+                    out.float().square().sum().backward()
+                    outputs.append([out, *(t.grad for t in leaves)])
+                for flex, boolean in zip(*outputs):
+                    if dtype == torch.float32:
+                        torch.testing.assert_close(flex, boolean, rtol=1e-4, atol=1e-4)
+                    else:  # bf16: two kernels' roundings
+                        error = (flex.float() - boolean.float()).norm() / boolean.float().norm()
+                        assert error < 1e-2, (window, with_documents, error)
 
 
 @gpus(1)

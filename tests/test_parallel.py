@@ -6,9 +6,9 @@ train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step
 1e-4, grad norms within 1e-5, MoE expert load equal. Llama 3 runs the dense layouts; Qwen3 only
 FSDP x TP, through its own TP plan (QK-norm): its pipeline ends and attention are the shared
 decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism with
-FSDP and CP, and DeepSeek-V3 (MLA, multi-token prediction) every parallelism in four runs. The
-8-rank layouts beyond PP 2 x CP 2 x TP 2 run on GPUs (tests/test_gpu.py), where 8 processes do not
-share 2 cores.
+FSDP and CP, DeepSeek-V3 (MLA, multi-token prediction) every parallelism in four runs, and gpt-oss
+(sinks, sliding windows) every parallelism in two. The 8-rank layouts beyond PP 2 x CP 2 x TP 2 run
+on GPUs (tests/test_gpu.py), where 8 processes do not share 2 cores.
 """
 
 import os
@@ -108,12 +108,23 @@ DEEPSEEK_LAYOUTS = {
     "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 --model.args aux_loss_coeff=0"),
     "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
 }
-LAYOUTS |= MOE_LAYOUTS | DEEPSEEK_LAYOUTS
+# gpt-oss (tiny: block 0 in a window of 6, attention sinks, biases, clamped experts) on documents,
+# both runs of 4 processes against one reference: CP 2 x TP 2 (the window cuts inside CP chunks of 8
+# and across their edges; sinks split by heads) and PP 2 x EP 2 x FSDP (the experts' biases sharded
+# with them). Without the balance loss, computed per CP chunk (above).
+GPT_OSS = f"{DOCUMENTS} --model.args aux_loss_coeff=0"
+GPT_OSS_LAYOUTS = {
+    "gpt_oss_cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 {GPT_OSS}"),
+    "gpt_oss_pp2_ep2_fsdp": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 {GPT_OSS}"),
+}
+FAMILY_LAYOUTS = MOE_LAYOUTS | DEEPSEEK_LAYOUTS | GPT_OSS_LAYOUTS
+LAYOUTS |= FAMILY_LAYOUTS
 CASES = (
-    [("llama3", layout) for layout in LAYOUTS if layout not in MOE_LAYOUTS | DEEPSEEK_LAYOUTS]
+    [("llama3", layout) for layout in LAYOUTS if layout not in FAMILY_LAYOUTS]
     + [("qwen3", layout) for layout in QWEN3_LAYOUTS]
     + [("qwen3_moe", layout) for layout in MOE_LAYOUTS]
     + [("deepseek_v3", layout) for layout in DEEPSEEK_LAYOUTS]
+    + [("gpt_oss", layout) for layout in GPT_OSS_LAYOUTS]
 )
 
 
