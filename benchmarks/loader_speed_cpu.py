@@ -57,7 +57,8 @@ def measure(argv: list[str], dp_rank: int, dp_degree: int, seconds: float, hf_as
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -67,7 +68,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     folders = write_sources(args.out / "sources", args.tokens_per_source)
     mixture = ["--training.dataset", "tokens", "--training.dataset_path", ",".join(map(str, folders)),
-               "--training.dataset_weights", "0.6,0.3,0.1", "--training.seq_len", str(args.seq_len)]  # fmt: skip
+               "--training.dataset_weights", "0.6,0.3,0.1",
+               "--training.seq_len", str(args.seq_len)]  # fmt: skip
     text = ["--training.dataset", "python_docs", "--training.seq_len", str(args.seq_len)]
     cases = {
         "mixture of 3, shuffled, rank 0 of 1": (mixture, 0, 1, ""),

@@ -465,7 +465,8 @@ def test_a_checkpoint_of_another_tokenizer_is_refused_unless_allowed(hf_assets):
     assert state["tokenizer"] == "bytes"
     hf = build_tokenizer(str(hf_assets))
     assert hf.identity.startswith("sha256:") and len(hf.identity) == 71
-    with pytest.raises(UserError, match=r"trained with another tokenizer \(bytes\.\.\.\) than this run's \(sha256:"):
+    refusal = r"trained with another tokenizer \(bytes\.\.\.\) than this run's \(sha256:"
+    with pytest.raises(UserError, match=refusal):
         build_dataloader(training_config(), hf, 4, 0, 1).load_state_dict(state)
     allowed = build_dataloader(training_config("--training.allow_tokenizer_change"), hf, 4, 0, 1)
     allowed.load_state_dict(state)

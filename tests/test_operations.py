@@ -258,7 +258,15 @@ def test_a_hung_rank_ends_the_run_with_one_error_line_after_the_timeout(tmp_path
     from conftest import descendants, start_train
 
     log = tmp_path / "log.txt"
-    args = [*TINY, "--training.steps", "1000", "--job.collective_timeout_s", "8", "--job.dump_folder", str(tmp_path / "run")]
+    args = [
+        *TINY,
+        "--training.steps",
+        "1000",
+        "--job.collective_timeout_s",
+        "8",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     process = start_train(args, nproc=2, log=log)
     deadline = time.time() + 120
     while not re.search(r"step +3 \|", log.read_text()) and time.time() < deadline and process.poll() is None:
@@ -279,6 +287,8 @@ def test_a_hung_rank_ends_the_run_with_one_error_line_after_the_timeout(tmp_path
                 pass
     output = log.read_text()
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "waited job.collective_timeout_s = 8 s in a collective" in errors[0], output[-3000:]
+    assert len(errors) == 1 and "waited job.collective_timeout_s = 8 s in a collective" in errors[0], output[
+        -3000:
+    ]
     assert "another rank is hung or gone" in errors[0] and "Timed out waiting" not in output
     assert 8 <= time.time() - started < 60
