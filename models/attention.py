@@ -72,8 +72,15 @@ class SinkAttentionKernel(nn.Module):
     attention. Which keys a query sees is the mask's to say (causal, a sliding window, documents).
 
     A module of its own so that parallelisms can swap it: context parallelism gathers K and V and
-    attends this rank's queries with the same mask (parallelisms/context_parallel.py).
+    attends this rank's queries with the same mask (parallelisms/context_parallel.py), only to the
+    keys within `window` of them in a sliding block.
     """
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        self.window = window
+        """The sliding window that the block's mask holds (None: a full block). This kernel needs only
+        the mask; the context-parallel one reads the window to skip the keys beyond it."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: AttentionMask

@@ -13,9 +13,10 @@ causal attention (cuDNN on the H200) instead of a lower-right-masked one. In bac
 keys' gradients are computed first and reduce-scattered to their owners while the local parts'
 gradients are computed. With a document mask (models/attention.py) a rank's queries attend to the
 gathered keys under the mask built for their positions. Attention with sinks (gpt-oss) does the
-same with the mask its model built (causal, within a window, documents), so on CUDA the block mask
-skips every tile beyond a query chunk's window and after its end. Works on gloo (CPU) and NCCL
-(CUDA) alike.
+same with the mask its model built (causal, within a window, documents); in a sliding block each
+query chunk attends only to the keys from its window's start to its own end, so its work does not
+grow with the sequence (on CUDA the block mask's tiles outside the window are skipped instead).
+Works on gloo (CPU) and NCCL (CUDA) alike.
 """
 
 import functools
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.flex_attention import BlockMask
 
 from configs import UserError
 from models.attention import (
@@ -295,19 +297,37 @@ class ContextParallelSinkAttention(nn.Module):
     parallelism: every rank's K and V all-gathered into sequence order, this rank's queries attending
     to them under the mask its model built for their positions against the whole sequence (causal
     or documents, within the window in sliding blocks); backward reduce-scatters the K/V gradients.
-    A sliding block's keys outside every window of the rank's chunks are gathered but not attended:
-    on CUDA the block mask skips their tiles; the sinks join each query's softmax as without CP."""
+    The sinks join each query's softmax as without CP.
 
-    def __init__(self, exchange: KVExchange):
+    In a sliding block (window set) each of the rank's two query chunks attends only to the keys
+    from window - 1 before its first position to its last: the parts of the sequence wholly outside
+    its window are skipped, not computed and masked, so the work is chunk x (chunk + window - 1)
+    whatever the sequence length. On CUDA the block mask already makes flex attention skip the tiles
+    outside the window, and a block mask cannot be cut by keys, so it is used whole. All K and V are
+    still gathered (docs/gpt_oss.md: an exchange of the window's keys alone is not written)."""
+
+    def __init__(self, exchange: KVExchange, window: int | None = None):
         super().__init__()
-        self.exchange = exchange
+        self.exchange, self.window = exchange, window
 
     @torch.compiler.disable  # collectives: run eagerly, between graphs
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
         keys, values = _GatherChunks.apply(torch.stack([k, v]), self.exchange)
-        return sink_attention(q, keys, values, sinks, mask)
+        if self.window is None or isinstance(mask, BlockMask):
+            return sink_attention(q, keys, values, sinks, mask)
+        chunk = q.shape[2] // 2
+        outputs = []
+        for index, start in enumerate(_chunk_starts(q, self.exchange)):
+            queries = slice(index * chunk, (index + 1) * chunk)
+            first_key = max(start - self.window + 1, 0)  # the window of the chunk's first query
+            near = slice(first_key, start + chunk)  # to the chunk's last query, causal
+            part_mask = mask[..., queries, near]
+            outputs.append(
+                sink_attention(q[:, :, queries], keys[:, :, near], values[:, :, near], sinks, part_mask)
+            )
+        return torch.cat(outputs, dim=2)
 
 
 KERNELS = {
@@ -329,8 +349,8 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         )
     for name, kernel in kernels:
         parent, _, child = name.rpartition(".")
-        swapped = KERNELS[type(kernel)](
-            KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
-        )
+        exchange = KVExchange(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        window = {"window": kernel.window} if isinstance(kernel, SinkAttentionKernel) else {}
+        swapped = KERNELS[type(kernel)](exchange, **window)
         swapped._forward_pre_hooks.update(kernel._forward_pre_hooks)
         setattr(model.get_submodule(parent), child, swapped)

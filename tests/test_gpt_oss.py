@@ -1,7 +1,8 @@
 """The gpt-oss family (models/gpt_oss/): published parameter counts, YaRN without rounding, logits
-equal to transformers' GptOssForCausalLM, attention with sinks in sliding windows on a context-
-parallel rank, the clamped experts (grouped GEMM against the loop), and OpenAI's MXFP4 checkpoints
-read as transformers dequantizes them, each rank reading only its experts."""
+equal to transformers' GptOssForCausalLM and the published config.json on export, attention with
+sinks in sliding windows on a context-parallel rank (the keys outside a chunk's window skipped), the
+clamped experts (grouped GEMM against the loop), and OpenAI's MXFP4 checkpoints read as
+transformers dequantizes them, each rank reading only its experts."""
 
 import dataclasses
 import functools
@@ -18,6 +19,7 @@ from conftest import TINY
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3_hf_import import recording_safe_open, rewritten
 from test_hf import no_warnings_from_transformers
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -30,7 +32,7 @@ from models import get_model_spec
 from models.attention import causal_mask, document_ids, document_mask, sink_attention, within_window
 from models.rope import rope_amplitude, rope_frequencies
 from models.spec import model_args
-from parallelisms import ParallelDims
+from parallelisms import ParallelDims, context_parallel
 from parallelisms.context_parallel import ContextParallelSinkAttention, WholeSequenceExchange, local_positions
 from parallelisms.wrapper_names import original_name
 from training.model_setup import build_model
@@ -39,7 +41,7 @@ from training.weight_init import init_weights, materialize
 SPEC = get_model_spec("gpt_oss")
 
 
-@pytest.mark.parametrize("flavor, total, active", [("20b", 20.91, 3.61), ("120b", 116.83, 5.13)])
+@pytest.mark.parametrize("flavor, total, active", [("20B", 20.91, 3.61), ("120B", 116.83, 5.13)])
 def test_published_shapes_have_their_parameter_counts(flavor, total, active):
     """Billions of parameters as OpenAI's model card gives them (two decimals): all, and those one
     token goes through, the embedding table aside (the card counts the unembedding only)."""
@@ -56,7 +58,7 @@ def test_yarn_equals_transformers_without_rounding():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     frequencies, amplitude = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig(), "cpu")
-    args = SPEC.flavors["120b"]
+    args = SPEC.flavors["120B"]
     ours = rope_frequencies(args.head_dim, args.rope_theta, args.yarn())
     torch.testing.assert_close(ours, frequencies, rtol=1e-6, atol=0)
     assert rope_amplitude(args.yarn()) == pytest.approx(amplitude, rel=1e-12)
@@ -107,34 +109,70 @@ def test_logits_equal_transformers(tmp_path):
     assert (gate > args.swiglu_limit).any() and (up.abs() > args.swiglu_limit).any()
 
 
+@pytest.mark.parametrize("seq_len", [1024, 4096])
+def test_export_config_is_the_published_one_at_any_training_length(seq_len):
+    """config.json of a 120B export, whatever training.seq_len (the RoPE table's length), has
+    openai/gpt-oss-120b's values, as transformers' GptOssConfig defaults hold them: shapes, windows,
+    131,072 positions and YaRN 32 over 4,096 tokens (rope_scaling for transformers 4 and vLLM)."""
+    ours = SPEC.adapter(model_args(SPEC, "120B", seq_len, 258, [])).hf_config("bfloat16")
+    published = transformers.GptOssConfig(architectures=["GptOssForCausalLM"], dtype="bfloat16").to_dict()
+    shared = ours.keys() & published.keys()
+    assert {"max_position_embeddings", "rope_parameters", "layer_types", "num_local_experts"} <= shared
+    assert {key: ours[key] for key in shared} == {key: published[key] for key in shared}
+    assert ours["max_position_embeddings"] == 131072
+    assert ours["rope_theta"] == 150000 and ours["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+
+
 def test_routing_gpt_oss_cannot_express_is_refused_on_export():
     args = model_args(SPEC, "tiny", 64, 258, ["score_func=sigmoid", "router_bias=false"])
     with pytest.raises(UserError, match="this model's score_func, router_bias differ, so an export"):
         SPEC.adapter(args).hf_config("float32")
 
 
+@pytest.mark.parametrize("attention_mask", ["causal", "document"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_context_parallel_rank_equals_the_whole_sequence(cp):
+def test_context_parallel_rank_equals_the_whole_sequence(cp, attention_mask, monkeypatch):
     """Each cp rank's attention with sinks (its chunks' queries against the gathered keys, under
-    the masks for its positions: documents, and a window of 6, shorter than a chunk at cp 2 and
-    longer at cp 4) put together equals the whole sequence's: outputs, and the gradients of the
-    queries, keys, values (those sent to their owners included) and sinks."""
+    the masks for its positions: causal or documents, and a window of 6, shorter than a chunk at cp 2
+    and longer at cp 4) put together equals the whole sequence's: outputs, and the gradients of the
+    queries, keys, values (those sent to their owners included) and sinks. The parts of the sequence
+    wholly outside a chunk's window are skipped: each chunk's scores are computed over the keys from
+    its window's start to its end only, at most chunk + 5 of the 32."""
     torch.manual_seed(0)
     seq, window = 32, 6
     q, k, v = (torch.randn(2, heads, seq, 8, requires_grad=True) for heads in (4, 2, 2))
     sinks = torch.randn(4, requires_grad=True)
     documents = document_ids(torch.randint(0, 8, (2, seq)), eos_id=0)  # documents of ~8 tokens
-    whole = sink_attention(q, k, v, sinks, within_window(document_mask(documents), torch.arange(seq), window))
+
+    def mask_for(positions: torch.Tensor | None) -> torch.Tensor:
+        at = torch.arange(seq) if positions is None else positions
+        full = document_mask(documents, positions) if attention_mask == "document" else causal_mask(at, seq)
+        return within_window(full, at, window)
+
+    whole = sink_attention(q, k, v, sinks, mask_for(None))
     dout = torch.randn_like(whole)
     whole.backward(dout)
+    key_counts = []
+
+    def counted(q, k, *rest):  # the keys each call's scores are computed over
+        key_counts.append(k.shape[2])
+        return sink_attention(q, k, *rest)
+
+    monkeypatch.setattr(context_parallel, "sink_attention", counted)
     grads = [torch.zeros_like(t) for t in (q, k, v, sinks)]
+    chunk = seq // (2 * cp)
     for rank in range(cp):
         positions = local_positions(seq, rank, cp)
         local = [t[:, :, positions].detach().requires_grad_() for t in (q, k, v)]
         mine = sinks.detach().requires_grad_()
         exchange = WholeSequenceExchange(torch.stack([k, v]).detach(), rank, cp)
-        mask = within_window(document_mask(documents, positions), positions, window)
-        out = ContextParallelSinkAttention(exchange)(*local, mine, mask)
+        key_counts.clear()
+        out = ContextParallelSinkAttention(exchange, window)(*local, mine, mask_for(positions))
+        firsts = positions[::chunk].tolist()  # where the rank's two chunks start
+        assert key_counts == [min(first, window - 1) + chunk for first in firsts]
         torch.testing.assert_close(out, whole[:, :, positions], rtol=1e-5, atol=1e-6)
         out.backward(dout[:, :, positions])
         grads[0][:, :, positions] += local[0].grad
@@ -158,6 +196,20 @@ def test_masks_follow_the_positions_held():
         assert torch.equal(mask, all_of_them[window][:, :, positions])
     assert torch.equal(all_of_them[None][0, 0], causal_mask(torch.arange(32), 32)[0, 0])
     assert all_of_them[6][0, 0, 20].nonzero().flatten().tolist() == list(range(15, 21))
+
+
+def test_context_parallel_kernels_keep_their_blocks_windows():
+    """Context parallelism swaps each block's kernel for one that knows the block's window, so the
+    sliding block's skips the keys outside it and the full block's attends to all."""
+    _, model = tiny_model(seq=32)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        context_parallel.apply_context_parallel(model, init_device_mesh("cpu", (2,)))
+    finally:
+        dist.destroy_process_group()
+    kernels = [layer.attention.kernel for layer in model.layers.values()]
+    assert all(isinstance(kernel, ContextParallelSinkAttention) for kernel in kernels)
+    assert [kernel.window for kernel in kernels] == [6, None]
 
 
 def expert_inputs():

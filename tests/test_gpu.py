@@ -174,7 +174,7 @@ VARIANT_LAYOUTS = {
     "moe_tp2": (2, MOE, ["--training.local_batch_size", "8", *TP2]),
     "moe_pp2": (2, MOE, ["--training.local_batch_size", "8", *PP2]),
     "moe_cp2_ep2": (2, MOE, ["--training.local_batch_size", "8", *CP2, *EP2]),
-    # gpt-oss (windows of 64 in blocks 0 and 2, attention sinks): flex attention under block masks.
+    # gpt-oss (windows of 8 in blocks 0 and 2, attention sinks): flex attention under block masks.
     "gpt_oss_cp2_document": (2, (*GPT_OSS, *DOCUMENTS), ["--training.local_batch_size", "8", *CP2]),
     "gpt_oss_ep2_compile": (2, GPT_OSS, ["--training.local_batch_size", "4", *EP2, "--compile.enable"]),
 }  # fmt: skip

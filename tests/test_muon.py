@@ -136,6 +136,24 @@ def test_roles_and_the_start_up_line():
     assert "layers.0." not in line
 
 
+def test_biases_of_any_shape_take_adamw():
+    """gpt-oss's biases, the experts' stacked ones (experts x out, 2-D) included, go to AdamW by the
+    rule itself, with no adamw_params pattern, and even when muon_params names them; its weights
+    beside them (stacked experts, projections) still go to Muon."""
+    spec = get_model_spec("gpt_oss")
+    with torch.device("meta"):
+        model = spec.model_cls(model_args(spec, "tiny", 16, 258, []))
+    assert model.layers["0"].moe.experts.gate_up_bias.ndim == 2
+    for config in (OptimizerConfig(name="Muon", adamw_params=[]),
+                   OptimizerConfig(name="Muon", muon_params=["*bias"])):  # fmt: skip
+        roles = parameter_roles(model, config)
+        biases = {name: role for name, role in roles.items() if name.endswith("bias")}
+        assert {"layers.0.moe.experts.gate_up_bias", "layers.1.moe.experts.down_bias",
+                "layers.0.attention.wq.bias", "layers.0.moe.router.bias"} <= set(biases)  # fmt: skip
+        assert set(biases.values()) == {"adamw"}
+        assert roles["layers.0.moe.experts.gate_up"] == roles["layers.0.attention.wq.weight"] == "muon"
+
+
 def test_muon_optimizers_train_and_schedule_both_groups():
     """Optimizers with optimizer.name = "Muon" on a MoE model: both algorithms' groups follow the
     schedule (muon_lr and lr), clipping divides the gradients first, a skipped step changes nothing,

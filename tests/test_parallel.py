@@ -7,8 +7,10 @@ train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step
 FSDP x TP, through its own TP plan (QK-norm): its pipeline ends and attention are the shared
 decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism with
 FSDP and CP, DeepSeek-V3 (MLA, multi-token prediction) every parallelism in four runs, and gpt-oss
-(sinks, sliding windows) every parallelism in two. The 8-rank layouts beyond PP 2 x CP 2 x TP 2 run
-on GPUs (tests/test_gpu.py), where 8 processes do not share 2 cores.
+(sinks, sliding windows) every parallelism in five: FSDP 2, PP 2 and EP 2 in pp2_ep2_fsdp2_document;
+TP 2 and CP 2 on documents in cp2_tp2_document; EP 2 x TP 2 and causal CP 2 in cp2_ep2_tp2; CP 4 on
+documents and causal in cp4_document and cp4 (GPT_OSS_LAYOUTS). The 8-rank layouts beyond PP 2 x
+CP 2 x TP 2 run on GPUs (tests/test_gpu.py), where 8 processes do not share 2 cores.
 """
 
 import os
@@ -108,14 +110,20 @@ DEEPSEEK_LAYOUTS = {
     "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 --model.args aux_loss_coeff=0"),
     "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
 }
-# gpt-oss (tiny: block 0 in a window of 6, attention sinks, biases, clamped experts) on documents,
-# both runs of 4 processes against one reference: CP 2 x TP 2 (the window cuts inside CP chunks of 8
-# and across their edges; sinks split by heads) and PP 2 x EP 2 x FSDP (the experts' biases sharded
-# with them). Without the balance loss, computed per CP chunk (above).
-GPT_OSS = f"{DOCUMENTS} --model.args aux_loss_coeff=0"
+# gpt-oss (tiny: block 0 in a window of 6, attention sinks, biases, clamped experts): five runs of 4
+# processes against two references (causal, short documents), without the balance loss, computed per
+# CP chunk (above); which run covers which parallelism: the module's docstring. TP splits the sinks
+# by heads, EP shards the experts' biases with them (in cp2_ep2_tp2 over the CP ranks). At CP 2 the
+# window cuts inside the chunks of 8 and across their edges; at CP 4 (chunks of 4) it spans parts of
+# three. A sliding block's query chunk attends to at most 13 (CP 2) or 9 (CP 4) of the 32 keys.
+GPT_OSS = "--model.args aux_loss_coeff=0"
+GPT_OSS_DOCUMENTS = f"{DOCUMENTS} {GPT_OSS}"
 GPT_OSS_LAYOUTS = {
-    "gpt_oss_cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 {GPT_OSS}"),
-    "gpt_oss_pp2_ep2_fsdp": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 {GPT_OSS}"),
+    "gpt_oss_pp2_ep2_fsdp2_document": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 {GPT_OSS_DOCUMENTS}"),
+    "gpt_oss_cp2_tp2_document": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 {GPT_OSS_DOCUMENTS}"),
+    "gpt_oss_cp2_ep2_tp2": (4, f"{CP} 2 {EP} 2 {TP2} --training.local_batch_size 8 {GPT_OSS}"),
+    "gpt_oss_cp4_document": (4, f"{CP} 4 --training.local_batch_size 8 {GPT_OSS_DOCUMENTS}"),
+    "gpt_oss_cp4": (4, f"{CP} 4 --training.local_batch_size 8 {GPT_OSS}"),
 }
 FAMILY_LAYOUTS = MOE_LAYOUTS | DEEPSEEK_LAYOUTS | GPT_OSS_LAYOUTS
 LAYOUTS |= FAMILY_LAYOUTS

@@ -46,7 +46,9 @@ def parameter_roles(part: nn.Module, config: Optimizer) -> dict[str, str]:
     """The role, "muon" or "adamw", of each trainable parameter of part, by its plain-model name.
     AdamW: everything, unless optimizer.name is Muon; then Muon takes the 2-D and larger parameters
     of the blocks (names "layers.<i>....": attention and MLP projections, stacked experts) and
-    those matching optimizer.muon_params, except those matching optimizer.adamw_params."""
+    those matching optimizer.muon_params, except biases and those matching optimizer.adamw_params.
+    A bias is a vector per output whatever its shape (stacked experts' biases are 2-D: experts x
+    out), nothing to orthogonalize, so every name ending in "bias" takes AdamW."""
     roles = {}
     for name, param in part.named_parameters():
         if not param.requires_grad:
@@ -54,7 +56,8 @@ def parameter_roles(part: nn.Module, config: Optimizer) -> dict[str, str]:
         name = original_name(name)
         in_block = name.startswith("layers.") and param.ndim >= 2
         chosen = in_block or (param.ndim >= 2 and any(fnmatch(name, p) for p in config.muon_params))
-        muon = config.name == "Muon" and chosen and not any(fnmatch(name, p) for p in config.adamw_params)
+        kept_from_muon = name.endswith("bias") or any(fnmatch(name, p) for p in config.adamw_params)
+        muon = config.name == "Muon" and chosen and not kept_from_muon
         roles[name] = "muon" if muon else "adamw"
     return roles
 

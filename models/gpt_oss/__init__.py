@@ -18,15 +18,17 @@ flavors = {
     # context-parallel chunk of tests/tiny.toml's 32 tokens at CP 2 (8), so it cuts inside chunks
     # and reaches across their edges; YaRN stretches a 16-token context, so it acts at 32 tokens.
     # Widths are multiples of 4 so that the fp32 grouped GEMM's rows stay 16-byte aligned.
+    # The debug flavor's window of 8 slides too: at seq 64 under CP 2 a chunk of 16 queries needs
+    # at most 23 of the 64 keys in its sliding blocks, and under CP 4 whole chunks fall outside.
     "tiny": GptOssArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=0, n_experts=8,
                        top_k=2, expert_hidden_dim=32, sliding_window=6, rope_factor=4.0,
                        rope_original_seq_len=16, aux_loss_coeff=1e-3),
     "debugmodel": GptOssArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, vocab_size=0,
-                             n_experts=8, top_k=2, expert_hidden_dim=256, sliding_window=64, rope_factor=4.0,
+                             n_experts=8, top_k=2, expert_hidden_dim=256, sliding_window=8, rope_factor=4.0,
                              rope_original_seq_len=64, aux_loss_coeff=1e-3),
-    "20b": GptOssArgs(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, vocab_size=V,
+    "20B": GptOssArgs(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, vocab_size=V,
                       n_experts=32, top_k=4, expert_hidden_dim=2880, aux_loss_coeff=1e-3),
-    "120b": GptOssArgs(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, vocab_size=V,
+    "120B": GptOssArgs(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, vocab_size=V,
                        n_experts=128, top_k=4, expert_hidden_dim=2880, aux_loss_coeff=1e-3),
 }  # fmt: skip
 

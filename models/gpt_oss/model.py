@@ -106,7 +106,7 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, args: GptOssArgs):
+    def __init__(self, args: GptOssArgs, window: int | None):
         super().__init__()
         self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=True)
@@ -115,7 +115,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=True)
         self.sinks = nn.Parameter(torch.empty(args.n_heads))
         """One logit per head that joins every query's softmax (a key whose value is zero)."""
-        self.kernel = SinkAttentionKernel()
+        self.kernel = SinkAttentionKernel(window)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | None = None
@@ -146,7 +146,7 @@ class TransformerBlock(nn.Module):
         self.window = args.window(layer_id)
         self.out_std = 0.02 / (2 * (layer_id + 1)) ** 0.5  # depth-scaled init of residual writers
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, self.window)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = MoE(args.dim, args.moe(), out_init_std=self.out_std)
 
