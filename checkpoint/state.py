@@ -36,6 +36,8 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # Args that may change on resume: the RoPE table follows training.seq_len.
 RESUMABLE_ARGS = ("max_seq_len",)
 PARTS = ("model", "optimizer", "train", "dataloader")
+# Optimizer settings that follow the lr schedule, not the config: not reported as changed on resume.
+SCHEDULED = ("lr", "initial_lr")
 
 
 @dataclass
@@ -155,10 +157,20 @@ def load_optimizer_state(
     """Load each part's optimizer state; the parameter groups' settings (lr, betas, Muon's...) stay
     this run's config's, as a resumed run must follow its config. Settings the state lacks (an older
     checkpoint) keep their values."""
+    changed: dict[str, tuple] = {}  # setting -> (the checkpoint's value, ours), the first seen
     for part, optimizer in zip(model_parts, optimizers):
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         ours = get_optimizer_state_dict(part, optimizer, options=FLAT)
         own = {key: state.get(key, value) for key, value in ours.items()}
+        for key, value in ours.items():  # "param_groups.<parameter>.<setting>"
+            setting = key.rsplit(".", 1)[-1]
+            if key.startswith("param_groups.") and setting not in SCHEDULED and own[key] != value:
+                changed.setdefault(setting, (own[key], value))
         set_optimizer_state_dict(part, optimizer, own, options=FLAT)
         for group, kept in zip(optimizer.param_groups, settings):
             group.update(kept)
+    if changed:
+        said = "; ".join(
+            f"{setting} {there} there, {here} here" for setting, (there, here) in sorted(changed.items())
+        )
+        logger.info(f"optimizer settings from the config, not the checkpoint's: {said}")

@@ -52,6 +52,7 @@ class PackedTextStream:
         self.name = name
         self.allow_change = allow_change
         self._warned_small = False
+        self._announced: set[int] = set()  # epochs whose start was logged
 
     def summary(self) -> str:
         """One line for the start-up log."""
@@ -96,6 +97,10 @@ class PackedTextStream:
         # of its first epoch (tokenize), before any sample of EOS alone is read.
         text_seen = False
         for epoch, document, tokens in self._tokenized_documents(anchor[0], anchor[1]):
+            if epoch > anchor[0] and epoch not in self._announced:  # once per epoch and stream
+                self._announced.add(epoch)
+                at = buffer_start + len(buffer)
+                logger.info(f"data source '{self.name}' starts epoch {epoch + 1} (at token {at:,})")
             if epoch > anchor[0] and k == 0 and not self._warned_small:  # a whole epoch, no sample yet
                 self._warned_small = True
                 logger.warning(

@@ -206,9 +206,11 @@ def test_each_matrix_is_orthogonalized_once_and_the_work_divides(overrides):
     assert max(shares) - min(shares) <= calls
 
 
-def test_resumed_optimizer_keeps_this_runs_settings(tmp_path):
+def test_resumed_optimizer_keeps_this_runs_settings(tmp_path, caplog):
     """The state loads (momentum buffers, moments) but the settings stay the config's: a resumed
-    run follows its config, for Muon's settings as for AdamW's."""
+    run follows its config, for Muon's settings as for AdamW's, and says which changed."""
+    import logging
+
     import torch.distributed.checkpoint as dcp
 
     from checkpoint.state import load_optimizer_state, optimizer_state
@@ -226,7 +228,11 @@ def test_resumed_optimizer_keeps_this_runs_settings(tmp_path):
     resumed = Optimizers([model], after, LRScheduler(), 10, torch.device("cpu"))
     state = optimizer_state([model], resumed.parts)
     dcp.load(state, checkpoint_id=tmp_path)
-    load_optimizer_state([model], resumed.parts, state)
+    with caplog.at_level(logging.INFO, logger="checkpoint.state"):
+        load_optimizer_state([model], resumed.parts, state)
+    said = caplog.text.split("optimizer settings from the config, not the checkpoint's: ")[1]
+    assert "betas (0.9, 0.95) there, (0.9, 0.99) here" in said and "momentum 0.9 there, 0.8 here" in said
+    assert "adjust_lr original there, none here" in said and " lr " not in said
     (ours,), (theirs,) = resumed.parts, saved.parts
     loaded = [
         (key, torch.equal(value, ours.state[p][key]))

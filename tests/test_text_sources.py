@@ -132,3 +132,16 @@ def test_a_changed_file_list_is_refused_unless_allowed(tmp_path, caplog):
         batch = allowed.next_step()[0]
     assert "continuing at" in caplog.text and "d.jsonl" in caplog.text
     assert torch.equal(batch["input"], expected["input"])  # the same place in d.jsonl, not a.jsonl
+
+
+def test_a_text_source_says_once_when_it_starts_each_epoch(tmp_path, caplog):
+    (tmp_path / "small.jsonl").write_text(
+        "".join(json.dumps({"text": f"document {i} " * 3}) + "\n" for i in range(4))
+    )
+    loader = build_dataloader(training(tmp_path), ByteTokenizer(), 2, 0, 1)
+    with caplog.at_level(logging.INFO, logger="data.packing"):
+        for _ in range(20):  # 640 tokens: several epochs of ~130 tokens
+            loader.next_step()
+    starts = [r.getMessage() for r in caplog.records if "starts epoch" in r.getMessage()]
+    assert len(starts) >= 3 and len(starts) == len(set(starts))
+    assert starts[0].startswith(f"data source '{tmp_path}' starts epoch 2")
