@@ -73,7 +73,7 @@ from parallelisms.float8 import precompute_float8_scales
 from training import bf16_weights, distributed, profiling, run_folder
 from training.dry_run import dry_run
 from training.expert_balance import ExpertBalance
-from training.fault_tolerance import FaultTolerance
+from training.fault_tolerance import FaultTolerance, NoQuorum
 from training.grad_clip import clip_divisor, global_grad_norm
 from training.host_reads import read_float
 from training.metrics import MetricsLogger, peak_tflops
@@ -95,6 +95,9 @@ def train(config: JobConfig) -> int:
     if config.job.dry_run:
         dry_run(config)
         return 0
+    # SIGTERM, SIGUSR1 and Ctrl-C from here on stop the run cleanly: after a step, or, during start-up
+    # (the model built, the checkpoint loaded), before the first one.
+    stop_signals = StopSignals(config.job.signal_check_interval)
     device = distributed.select_device(config.training.device)
     dims = ParallelDims.from_config(config.parallelism, distributed.world_size())
     if config.fault_tolerance.enable:  # torchft's gradient hook is on FSDP units: FSDP wraps one device too
@@ -153,6 +156,7 @@ def train(config: JobConfig) -> int:
         config.checkpoint, dump_folder, model.parts, optimizers, dataloader, train_state,
         model.spec.adapter(model.args), config.training.steps,
         saves_here=fault_tolerance.writes_checkpoints,  # with fault tolerance one replica group saves
+        stop_requested=lambda: stop_signals.received,  # a wait for a stuck background save ends on one
     )  # fmt: skip
     resumed = checkpointer.load()
     bf16_weights.refresh(model.parts)  # the bf16 copies of the loaded weights, if the layers have any
@@ -182,18 +186,18 @@ def train(config: JobConfig) -> int:
     nonfinite_guard = NonFiniteGuard(
         config.training.nonfinite_policy, config.training.max_skipped_steps, device
     )
-    stop_signals = StopSignals(config.job.signal_check_interval)
     expert_balance = ExpertBalance(
         model.parts, mesh["dp_cp"].get_group(), pp_group, before_bias_update=checkpointer.before_state_changes
     )
     profiler = StepProfiler(config.profiling, dump_folder, distributed.rank(), device)
     restart_clock = lambda: metrics.start(train_state.step)  # the state was replaced (fault tolerance)
     restart_clock()
+    stopped = stop_signals.stopped_during_start_up(first_step, resumed)  # then no step runs, none is saved
 
     # With fault tolerance the replica groups agree on each step (training/fault_tolerance.py): a
     # group that is behind copies a live peer's state as the step begins, and a step broken by a
     # group's failure ends at commit() with no update anywhere. Without it these calls do nothing.
-    while train_state.step < last_step:
+    while not stopped and train_state.step < last_step:
         with fault_tolerance.step(on_new_state=restart_clock):
             step = train_state.step + 1
             profiler.step_begins(step)
@@ -255,7 +259,7 @@ def main() -> int:
         return train(read_command_line(sys.argv[1:]))
     except UserError as e:
         return report_error(str(e))
-    except NonFiniteError as e:
+    except (NonFiniteError, NoQuorum) as e:  # failures, not mistakes: exit 1
         return report_error(str(e), code=1)
     except RuntimeError as e:  # a collective that another rank never joined: say so, not a traceback
         if (peer := distributed.peer_failure(e)) is None:

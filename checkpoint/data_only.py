@@ -18,8 +18,10 @@ Anything else is refused: one `error:` line names the checkpoint and what was re
 of it was built. What this does not protect against: docs/checkpointing.md, "Trust model".
 """
 
+import dataclasses
 import io
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,27 +107,68 @@ class _PlainUnpickler(pickle.Unpickler):
         raise NotData(f"{module}.{name}", self.where)
 
 
-def read_metadata(folder: Path) -> Metadata:
+def read_metadata(folder: Path, hint: str = "") -> Metadata:
     """A checkpoint's .metadata: its bytes checked against checksums.json (when the checkpoint has
-    one), then unpickled as DCP's metadata and nothing else."""
+    one), then unpickled as DCP's metadata and nothing else. hint: how to resume from an earlier
+    checkpoint, for the error line of a damaged one."""
     try:
         raw = (folder / ".metadata").read_bytes()
     except OSError as e:
-        raise UserError(f"checkpoint {folder} could not be read: .metadata: {e.strerror}") from None
+        raise UserError(f"checkpoint {folder} could not be read: .metadata: {e.strerror}{hint}") from None
     manifest = integrity.read_manifest(folder)
     if manifest is not None and (problem := integrity.problem_in(manifest, ".metadata", raw)):
-        raise UserError(f"checkpoint {folder} is damaged: {problem}; it was not used")
+        raise UserError(f"checkpoint {folder} is damaged: {problem}; it was not used{hint}")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
     except NotData as e:
         raise refused(folder, e) from None
     except Exception as e:
         raise UserError(
-            f"checkpoint {folder} is corrupt: its .metadata cannot be read ({first_line(e)})"
+            f"checkpoint {folder} is corrupt: its .metadata cannot be read ({first_line(e)}); it was not "
+            f"used{hint}"
         ) from None
     if not isinstance(metadata, Metadata):
-        raise UserError(f"checkpoint {folder} is corrupt: its .metadata holds a {type(metadata).__name__}")
+        raise UserError(
+            f"checkpoint {folder} is corrupt: its .metadata holds a {type(metadata).__name__}; it was not "
+            f"used{hint}"
+        )
     return metadata
+
+
+class UnreadableFile(Exception):
+    """A checkpoint file that could not be read, named, with the cause (DCP's error names neither:
+    "CheckpointException ranks:dict_keys([0])")."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(name, why)  # (plain arguments: DCP pickles a rank's failure to the others)
+
+    def __str__(self) -> str:
+        return f"{self.args[0]}: {self.args[1]}"
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if isinstance(error, EOFError):  # (torch.load past the end of a cut file: no message)
+        return "it ends before its records do (truncated?)"
+    if isinstance(error, pickle.UnpicklingError):  # (torch's message advises weights_only=False: no)
+        return "a record in it cannot be unpickled (damaged?)"
+    return f"{type(error).__name__}: {first_line(error)}"
+
+
+def read_file_by_file(reader: FileSystemReader, plan: LoadPlan, read: Callable[[LoadPlan], object]) -> None:
+    """read(the plan's items of one file) for each file the plan reads, in the plan's order; a
+    failure is an UnreadableFile naming the file (a refusal, NotData, stays as it is)."""
+    per_file: dict[str, list[ReadItem]] = {}
+    for item in plan.items:
+        per_file.setdefault(reader.storage_data[item.storage_index].relative_path, []).append(item)
+    for name, items in per_file.items():
+        try:
+            read(dataclasses.replace(plan, items=items))
+        except NotData:
+            raise
+        except Exception as e:
+            raise UnreadableFile(name, _why(e)) from e
 
 
 def load_record(stream: io.BytesIO, where: str) -> Any:
@@ -165,7 +208,11 @@ class DataOnlyReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        return super().read_data(plan, _ByteRecordsAsData(planner))
+        as_data = _ByteRecordsAsData(planner)
+        read_file_by_file(self, plan, lambda part: FileSystemReader.read_data(self, part, as_data))
+        finished = Future()
+        finished.set_result(None)
+        return finished
 
 
 class _ByteRecordsAsData:

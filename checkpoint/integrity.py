@@ -11,7 +11,10 @@ checksums.json before the checkpoint is committed. Loading: .metadata is checked
 that are then unpickled (checkpoint/data_only.py); the data files are shared out over the ranks
 (a file goes to the rank that wrote it, so that on the same layout each rank checks what DCP then
 reads from it) while DCP reads the same files, and any problem stops every rank before anything read
-is used. A checkpoint without checksums.json (written before it existed) is loaded unverified.
+is used. Every file of the folder must be in checksums.json: one that is not (added, or left out
+of a checksums.json rewritten) would otherwise be read unchecked, if .metadata named it. A
+checkpoint without checksums.json (written before it existed) is loaded unverified. checksums.json
+also names the run that saved the checkpoint (checkpoint/run_identity.py).
 Checksums find damage, not an attacker, who can recompute them: docs/checkpointing.md, "Trust model".
 """
 
@@ -63,9 +66,11 @@ def _piece_crc32(path: Path, start: int, length: int) -> str:
     return f"{crc:08x}"
 
 
-def write_manifest(folder: Path, files: dict[str, dict]) -> None:
-    """checksums.json, on the disk when this returns (a commit deletes older checkpoints next)."""
-    manifest = {"piece_bytes": PIECE_BYTES, "files": dict(sorted(files.items()))}
+def write_manifest(folder: Path, files: dict[str, dict], run_id: str | None = None) -> None:
+    """checksums.json, on the disk when this returns (a commit deletes older checkpoints next);
+    run_id: the run that saved it (None: a conversion script's checkpoint, of no run)."""
+    manifest = {"piece_bytes": PIECE_BYTES, **({"run_id": run_id} if run_id else {}),
+                "files": dict(sorted(files.items()))}  # fmt: skip
     with (folder / MANIFEST).open("w") as f:
         f.write(json.dumps(manifest, indent=1) + "\n")
         f.flush()
@@ -86,6 +91,8 @@ def read_manifest(folder: Path) -> dict | None:
         manifest = json.loads(path.read_text())
         if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("piece_bytes"), int):
             raise ValueError("no 'files' or 'piece_bytes'")
+        if not isinstance(manifest.get("run_id", ""), str):
+            raise ValueError("its 'run_id' is not a string")
         return manifest
     except (ValueError, OSError, AttributeError) as e:
         raise UserError(
@@ -117,6 +124,15 @@ def problems(folder: Path, manifest: dict, names: list[str]) -> list[str]:
     return found
 
 
+def unlisted(folder: Path, manifest: dict) -> list[str]:
+    """The folder's entries that checksums.json does not cover (besides itself), one phrase each."""
+    return [
+        f"{path.name} is not in its {MANIFEST} (added after saving?)"
+        for path in sorted(folder.iterdir())
+        if path.name != MANIFEST and path.name not in manifest["files"]
+    ]
+
+
 def problem_in(manifest: dict, name: str, data: bytes) -> str | None:
     """What differs from the recorded checksums in a file's bytes, already read (.metadata, checked
     on the very bytes that are then unpickled); None if nothing. A file the manifest lacks is a
@@ -144,5 +160,7 @@ def _differs(name: str, now: dict, recorded: list[str], piece_bytes: int) -> str
 def verify(folder: Path) -> None:
     """Check every file in one process (the conversion scripts); an unverifiable checkpoint passes."""
     manifest = read_manifest(folder)
-    if manifest is not None and (found := problems(folder, manifest, list(manifest["files"]))):
+    if manifest is None:
+        return
+    if found := unlisted(folder, manifest) + problems(folder, manifest, list(manifest["files"])):
         raise UserError(f"checkpoint {folder} is damaged: {found[0]}; nothing was loaded")

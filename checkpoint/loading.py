@@ -10,6 +10,7 @@ Any problem stops every rank with one error line.
 
 import concurrent.futures
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from checkpoint import data_only, hf, integrity
 from checkpoint.data_only import DataOnlyReader
 from checkpoint.saving import complete_steps
 from checkpoint.state import Checkpointed, load_model_state, model_state
-from checkpoint.storage import describe
+from checkpoint.storage import describe, first_failure
 from configs import UserError
 from configs.errors import first_line
 from configs.schema import Checkpoint
@@ -45,6 +46,13 @@ def latest_step(config: Checkpoint, folder: Path) -> tuple[int | None, str]:
     step = steps[-1] if config.load_step == -1 else config.load_step
     if step not in steps:
         raise UserError(f"checkpoint.load_step {step}: no complete checkpoint step-{step} in {folder}")
+    if (folder / f"step-{step}").is_symlink():  # (checkpoint/run_identity.py)
+        path = folder / f"step-{step}"
+        raise UserError(
+            f"checkpoint {path} is a symbolic link (to {os.readlink(path)}), not a checkpoint of this run: "
+            "it was not loaded; to continue from it copy the folder itself into a new job.dump_folder "
+            "(which adopts its run), or start from its weights with checkpoint.initial_load_path"
+        )
     earlier = [s for s in steps if s < step]
     hint = f"; to resume from an earlier one: --checkpoint.load_step {earlier[-1]}" if earlier else ""
     return step, hint
@@ -88,7 +96,7 @@ def resume(
     """Load the checkpoint at path into checkpointed's objects (its parts: model, optimizer, train,
     dataloader): checked against this model first, verified beside the read, used only if whole."""
     start = time.perf_counter()
-    saved = read_metadata(path)
+    saved = read_metadata(path, hint)
     missing = [p for p in parts if not any(key.startswith(p + ".") for key in saved)]
     if missing:
         raise UserError(
@@ -121,9 +129,8 @@ def resume(
     if failure is not None:
         if refusal := data_only.not_data_in(failure):
             raise data_only.refused(path, refusal)
-        raise UserError(
-            f"checkpoint {path} could not be read ({type(failure).__name__}: {first_line(failure)})"
-        )
+        why = read_failure(failure)
+        raise UserError(f"checkpoint {path} could not be read: {why}; it was not used{hint}")
     if "train" in parts:  # before anything is loaded into the model
         checkpointed.train_state.check_model(state["train"]["model"], str(path), allow_model_change)
     try:
@@ -163,9 +170,18 @@ def load_initial_weights(
         except (Exception, dcp.CheckpointException) as e:
             if refusal := data_only.not_data_in(e):
                 raise data_only.refused(path, refusal) from None
-            raise UserError(f"checkpoint.initial_load_path {path} is unreadable: {first_line(e)}") from None
+            raise UserError(f"checkpoint.initial_load_path {path} is unreadable: {read_failure(e)}") from None
         load_model_state(model_parts, state["model"], strict=False)
     logger.info(f"initial weights from {path}")
+
+
+def read_failure(failure: BaseException) -> str:
+    """What failed a dcp.load, in words: the file and the cause (DataOnlyReader names the file),
+    from inside DCP's CheckpointException."""
+    failure = first_failure(failure)
+    if isinstance(failure, data_only.UnreadableFile):
+        return str(failure)
+    return f"{type(failure).__name__}: {first_line(failure)}"
 
 
 def _manifest(path: Path) -> dict | None:
@@ -173,7 +189,7 @@ def _manifest(path: Path) -> dict | None:
     if manifest is None and dist.get_rank() == 0:
         logger.warning(
             f"{path} has no {integrity.MANIFEST} (saved by an older version): its files are not "
-            "checked for damage"
+            "checked for damage, nor that it is this run's"
         )
     return manifest
 
@@ -185,7 +201,8 @@ def _problems(path: Path, manifest: dict | None) -> tuple[list[str], float]:
     if manifest is None:
         return [], 0.0
     mine = integrity.share(manifest, dist.get_rank(), dist.get_world_size())
-    return integrity.problems(path, manifest, mine), time.perf_counter() - start
+    unlisted = integrity.unlisted(path, manifest) if dist.get_rank() == 0 else []
+    return unlisted + integrity.problems(path, manifest, mine), time.perf_counter() - start
 
 
 def refuse_damaged(path: Path, manifest: dict | None, mine: list[str], seconds: float, hint: str) -> None:
@@ -214,11 +231,12 @@ def _neither_weights_message(path: Path) -> str:
     return message
 
 
-def read_metadata(path: Path) -> dict:
-    """What the checkpoint holds, by key: checked against its checksum first, read as data only."""
+def read_metadata(path: Path, hint: str = "") -> dict:
+    """What the checkpoint holds, by key: checked against its checksum first, read as data only.
+    hint: how to resume from an earlier checkpoint, for the error line of a damaged one."""
     if not (path / ".metadata").is_file():
         raise UserError(f"{path} is not a complete DCP checkpoint (no .metadata)")
-    return data_only.read_metadata(path).state_dict_metadata
+    return data_only.read_metadata(path, hint).state_dict_metadata
 
 
 def optimizer_state_to_read(path: Path, saved: dict, ours: dict) -> dict:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpoint import loading
+from checkpoint import integrity, loading, run_identity
 from checkpoint.fast_io import FastIO
 from checkpoint.saving import Saver, report_leftovers, warn_about_unused_saving_keys
 from checkpoint.state import PARTS, Checkpointed, TrainState
@@ -33,11 +33,14 @@ class Checkpointer:
         adapter,
         total_steps: int,
         saves_here: Callable[[], bool] = lambda: True,
+        stop_requested: Callable[[], str | None] = lambda: None,
     ):
         """saves_here: whether this process's group saves a checkpoint that is due (with fault
-        tolerance one replica group saves for all)."""
+        tolerance one replica group saves for all); stop_requested: the stop signal this process
+        received, if any (a wait for a background save gives up on one: checkpoint/background.py)."""
         self.saves_here = saves_here
         self.config, self.folder, self.adapter = config, dump_folder / config.folder, adapter
+        self.dump_folder = dump_folder
         self.checkpointed = Checkpointed(model_parts, optimizers.parts, train_state, dataloader)
         rank = dist.get_rank()
         # Async saves run collectives from a background thread: give them their own group.
@@ -46,7 +49,8 @@ class Checkpointer:
             self.storage = FastIO(config, rank, group, optimizers.parts, self.checkpointed.state, self.wait)
         else:
             self.storage = PlainDCP(config, rank, group)
-        self.saver = Saver(config, self.folder, self.storage, group, total_steps, self._saved_state)
+        self.saver = Saver(config, self.folder, self.storage, group, total_steps, self._saved_state,
+                           dump_folder, stop_requested)  # fmt: skip
         if not config.enable and rank == 0:
             warn_about_unused_saving_keys(config)
 
@@ -62,13 +66,18 @@ class Checkpointer:
         """Resume from a checkpoint of this run, or load initial weights; True if resumed."""
         if self.config.enable and dist.get_rank() == 0:
             report_leftovers(self.folder)
-        step, hint = loading.latest_step(self.config, self.folder)
+        step, hint = loading.latest_step(self.config, self.folder)  # (a symbolic link is refused)
         if step is not None:
             parts = [p for p in PARTS if p not in self.config.exclude_from_loading]
             path = self.path(step)
+            run_id = run_identity.check(
+                path, integrity.read_manifest(path), self.dump_folder, self.config.allow_other_run
+            )
             reader = self.storage.reader(path)
             loading.resume(path, self.checkpointed, parts, reader, self.config.allow_model_change, hint)
             loading.set_aside_later(self.folder, step)
+            if dist.get_rank() == 0:  # (a folder without an identity continues the checkpoint's run)
+                run_identity.adopt(self.dump_folder, run_id)
             return True
         if self.config.initial_load_path:
             loading.load_initial_weights(

@@ -12,10 +12,11 @@ then rank 0 writes checksums.json (every file's checksum, checkpoint/integrity.p
 folder step-N once every rank has finished (DCP writes .metadata last, after all ranks' data). A
 save that fails on any rank fails on every rank, its partial folder removed, the previous complete
 checkpoint untouched. A save deletes nothing it did not write: what was already at its step-N is
-renamed aside, and only complete checkpoints are ever deleted (keep_latest_k).
+renamed aside, and only complete checkpoints are ever deleted (keep_latest_k). checksums.json names
+the run that saved it (checkpoint/run_identity.py). An async save is written by a background thread
+(checkpoint/background.py), waited for at the next save with a bound, and given up past it.
 """
 
-import concurrent.futures
 import logging
 import os
 import re
@@ -27,13 +28,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from checkpoint import integrity
+from checkpoint import integrity, run_identity
+from checkpoint.background import BackgroundSave, local_bytes
 from checkpoint.storage import describe
 from configs import UserError
 from configs.schema import Checkpoint
 
 logger = logging.getLogger(__name__)
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
+GIVING_UP_S = 10.0  # how long a given-up save's thread may take to clear its partial folder
 
 
 def complete_steps(folder: Path) -> list[int]:
@@ -60,7 +63,7 @@ def report_leftovers(folder: Path) -> None:
                 "this step renames it aside, never deletes it"
             )
     for doomed in folder.glob("step-*.deleting"):  # renamed by keep_latest_k: complete, old, doomed
-        shutil.rmtree(doomed, ignore_errors=True)
+        _delete(doomed)
 
 
 def set_aside(path: Path) -> Path:
@@ -76,6 +79,14 @@ def set_aside(path: Path) -> Path:
     return target
 
 
+def _delete(checkpoint: Path) -> None:
+    """Delete an old checkpoint; a symbolic link (to another run's, never loaded) only as a link."""
+    if checkpoint.is_symlink():
+        checkpoint.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(checkpoint, ignore_errors=True)
+
+
 def _fsync_folder(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -87,15 +98,18 @@ def _fsync_folder(folder: Path) -> None:
 class Saver:
     def __init__(
         self, config: Checkpoint, folder: Path, storage, group, total_steps: int,
-        state: Callable[[bool], dict],
+        state: Callable[[bool], dict], dump_folder: Path,
+        stop_requested: Callable[[], str | None] = lambda: None,
     ):  # fmt: skip
         """storage: checkpoint/storage.py's interface; group: the process group of saves in the
-        background; state(model_only): what a save holds."""
+        background; state(model_only): what a save holds; dump_folder: where the run's identity is;
+        stop_requested: the stop signal received, if any (a wait for a background save ends on one)."""
         self.config, self.folder, self.storage, self.group = config, folder, storage, group
-        self.total_steps, self.state = total_steps, state
+        self.total_steps, self.state, self.dump_folder = total_steps, state, dump_folder
+        self.stop_requested = stop_requested
         self.is_rank0 = dist.get_rank() == 0
-        self.pending: concurrent.futures.Future | None = None  # the async save in flight
-        self.background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self.pending: BackgroundSave | None = None  # the async save in flight
+        self.given_up = False  # a background save was given up: the run is stopping
         self.deleting: threading.Thread | None = None  # deleting checkpoints beyond keep_latest_k
 
     def due(self, step: int) -> bool:
@@ -134,7 +148,10 @@ class Saver:
         else:
             write = self.storage.write_later(state, partial)
             # Written, checksummed and committed in the background, as soon as the write ends.
-            self.pending = self.background.submit(self._save_in_background, write, partial, final, start)
+            self.pending = BackgroundSave(
+                lambda: self._save_in_background(write, partial, final, start), step, local_bytes(state),
+                self.config.async_min_write_mb_per_s,
+            )  # fmt: skip
             logger.info(
                 f"saving checkpoint {final} in the background by the {self.storage.writer_name} "
                 f"(training blocked {time.perf_counter() - start:.1f} s)"
@@ -146,27 +163,42 @@ class Saver:
             own, _ = write()
         except Exception as e:  # (every rank must reach _finish's collective, or the others wait there)
             own = f"{type(e).__name__}: {e}"
+        if self.given_up:  # (a write that ends after all is not committed: the run stopped without it)
+            own = "given up"
         try:
             self._finish(own, partial, final, self.group)
         except UserError as e:  # raised on every rank at the next save or at the end
-            logger.warning(f"{e} (the run stops at its next save)")
+            if not self.given_up:  # (then the wait's own error line says it)
+                logger.warning(f"{e} (the run stops at its next save)")
             raise
         logger.info(
             f"saved checkpoint {final} (committed {time.perf_counter() - start:.1f} s after it began)"
         )
 
     def wait(self) -> None:
-        """Wait for the background save, if any (it commits itself); raise what stopped it."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()
+        """Wait for the background save, if any (it commits itself); raise what stopped it, or a
+        UserError if it is given up (too slow, or a stop signal came meanwhile: background.py)."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        why = pending.wait(self.stop_requested)
+        if why is None:
+            return
+        self.given_up = True
+        if self.storage.abandon():  # (a writer process ended: its save fails and is cleared away)
+            try:
+                pending.future.exception(timeout=GIVING_UP_S)
+            except TimeoutError:
+                pass
+        latest = complete_steps(self.folder)
+        kept = f"{self.path(latest[-1])} is the latest complete one" if latest else "no other is complete"
+        raise UserError(f"checkpoint {self.path(pending.step)} could not be saved: {why}; {kept}")
 
     def close(self) -> None:
         """At the end of training: the background save and deletion finished."""
         try:
             self.wait()
         finally:
-            self.background.shutdown()
             self._wait_for_deletion()
 
     def _finish(self, own: dict | str, partial: Path, final: Path, group=None) -> None:
@@ -181,7 +213,7 @@ class Saver:
                 # .metadata, and any data file named unlike DCP names them today (a later torch).
                 others = [p for p in sorted(partial.glob("*.distcp")) if p.name not in files]
                 files.update(integrity.checksum([*others, partial / ".metadata"]))
-                integrity.write_manifest(partial, files)
+                integrity.write_manifest(partial, files, run_identity.for_saves(self.dump_folder))
                 if final.exists() or final.is_symlink():
                     set_aside(final)
                 _fsync_folder(partial)  # (its files' names on the disk before it is complete)
@@ -189,6 +221,8 @@ class Saver:
                 _fsync_folder(self.folder)  # (the rename too, before older checkpoints are deleted)
             except OSError as e:
                 error = describe(e)
+            except UserError as e:  # (this run's identity file damaged)
+                error = str(e)
         self._agree(partial, final, error, group)
         if self.is_rank0:
             self._delete_old_in_background()
@@ -220,9 +254,7 @@ class Saver:
             except OSError as e:  # (rank 0 only, after the ranks agreed: not a reason to stop)
                 logger.warning(f"keep_latest_k: {self.path(step)} could not be deleted: {describe(e)}")
         if doomed:
-            self.deleting = threading.Thread(
-                target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in doomed]
-            )
+            self.deleting = threading.Thread(target=lambda: [_delete(p) for p in doomed])
             self.deleting.start()
 
     def _wait_for_deletion(self) -> None:
@@ -236,7 +268,7 @@ def warn_about_unused_saving_keys(config: Checkpoint) -> None:
     are errors, configs/schema.py), but a command line that sets one likely forgot enable."""
     defaults = Checkpoint()
     keys = ("folder", "interval", "keep_latest_k", "async_mode", "async_writer", "writer_threads",
-            "direct_io", "last_save_model_only", "export_dtype")  # fmt: skip
+            "async_min_write_mb_per_s", "direct_io", "last_save_model_only", "export_dtype")  # fmt: skip
     unused = [f"checkpoint.{key}" for key in keys if getattr(config, key) != getattr(defaults, key)]
     if unused:
         logger.warning(f"{', '.join(unused)} set, but checkpoint.enable is false: no checkpoint is saved")

@@ -1,13 +1,15 @@
 """How a checkpoint's bytes reach the disk and come back: the interface that saving and loading use,
 and the plain path behind it, torch's own DCP machinery (`checkpoint.fast_io = false`).
 
-A storage does four things for checkpoint/saving.py and checkpoint/loading.py:
+A storage does five things for checkpoint/saving.py and checkpoint/loading.py:
     write(state, folder, stage)  a blocking save of this rank's share of state into folder
     write_later(state, folder)   an async save: copies state off the tensors training changes (on
                                  the training thread) and returns the write, which the background
                                  thread then runs
     reader(folder)               the DCP storage reader that a load reads folder with
     before_state_changes()       something other than the optimizer is about to change the state
+    abandon()                    an async save is given up (checkpoint/background.py): end what
+                                 can be ended of its write; True if something was
 and close() at the end of the run. A write returns this rank's files' checksums
 (checkpoint/integrity.py) or what went wrong, and the seconds it spent reading files back for them.
 
@@ -63,6 +65,10 @@ class PlainDCP:
     def before_state_changes(self) -> None:
         """Nothing: write_later's copy is complete when it returns."""
 
+    def abandon(self) -> bool:
+        """Nothing to end: a thread cannot be stopped (it is a daemon: the process still exits)."""
+        return False
+
     def close(self) -> None:
         """Nothing to release."""
 
@@ -74,8 +80,9 @@ def save_files(
     """dcp.save of state into folder through writer: this rank's files' checksums (those the writer
     took as it wrote, in `writer.fs.checksums`, the others read back) or what went wrong, and the
     seconds spent reading files back."""
+    errors: list[BaseException] = []
     try:
-        with writer_thread_errors() as errors:
+        with writer_thread_errors(errors):
             dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
         if errors:
             return describe(errors[0]) + low_disk_note(folder), 0.0
@@ -84,19 +91,22 @@ def save_files(
         own.update(integrity.checksum([p for p in integrity.own_files(folder, rank) if p.name not in own]))
         return own, time.perf_counter() - start
     except (Exception, dcp.CheckpointException) as e:  # DCP's own is a BaseException
-        return describe(e) + low_disk_note(folder), 0.0
+        # A writer thread's failure first: it names its file, where what failed next (.metadata
+        # on the same full disk) may not.
+        return describe(errors[0] if errors else e) + low_disk_note(folder), 0.0
 
 
 @contextlib.contextmanager
-def writer_thread_errors():
+def writer_thread_errors(errors: list[BaseException]):
     """DCP's extra writer threads (FileSystemWriter thread_count > 1) report a failed write only by
     printing a traceback, and the save then completes without their files (torch 2.11-2.13). Collect
-    their exceptions instead, so that the caller fails the save with the cause."""
-    errors: list[BaseException] = []
+    their exceptions into errors instead, so that the caller fails the save with the cause. When
+    the calling thread's own write fails, DCP returns without waiting for its other threads: they
+    are waited for here, so that one failing later (a full disk fails them all) prints nothing."""
     previous = threading.excepthook
 
     def collect(failure) -> None:
-        if failure.thread is not None and "_write_files_from_queue" in failure.thread.name:
+        if failure.thread is not None and _WRITER_THREAD in failure.thread.name:
             errors.append(failure.exc_value)
         else:
             previous(failure)
@@ -105,7 +115,13 @@ def writer_thread_errors():
     try:
         yield errors
     finally:
+        for thread in threading.enumerate():
+            if _WRITER_THREAD in thread.name and thread is not threading.current_thread():
+                thread.join()
         threading.excepthook = previous
+
+
+_WRITER_THREAD = "_write_files_from_queue"  # (in the name Python gives a thread of that function)
 
 
 def low_disk_note(folder) -> str:
@@ -118,13 +134,20 @@ def low_disk_note(folder) -> str:
     return f" (its disk has {free / 1e9:.1f} GB free)" if free < 2**30 else ""
 
 
-def describe(error: BaseException) -> str:
-    """Why a write failed, in a few words: the OS error (e.g. "No space left on device") and its
-    file, found inside DCP's CheckpointException, which wraps each rank's failure."""
+def first_failure(error: BaseException) -> BaseException:
+    """The first rank's failure inside DCP's CheckpointException (which says only "CheckpointException
+    ranks:dict_keys([0])"); any other error as it is."""
     failures = getattr(error, "failures", None)  # CheckpointException: {rank: exception or (exc, tb)}
     if failures:
         error = next(iter(failures.values()))
         error = error[0] if isinstance(error, tuple) else error
+    return error
+
+
+def describe(error: BaseException) -> str:
+    """Why a write failed, in a few words: the OS error (e.g. "No space left on device") and its
+    file, found inside DCP's CheckpointException, which wraps each rank's failure."""
+    error = first_failure(error)
     if isinstance(error, OSError) and error.strerror:
         return error.strerror + (f" ({error.filename})" if error.filename else "")
     return f"{type(error).__name__}: {first_line(error)}"

@@ -533,6 +533,13 @@ class Checkpoint(Section):
     saves 2.54 GB/s with 8, 1.87 with 4; an 18 GB load from the page cache 3.4 s with 8 threads,
     8.6 s with DCP's one)."""
 
+    async_min_write_mb_per_s: float = 50.0
+    """The slowest write an async save is waited for: one not finished 120 s + this rank's share of
+    the checkpoint at this rate (MB/s) after it began (18 GB: 480 s) is given up, and the run stops
+    with an error, the previous checkpoint intact (a writer stopped or stuck in a hung filesystem
+    would otherwise block training forever at the next save). Lower it for a filesystem slower than
+    this per rank; 0 waits forever."""
+
     direct_io: bool = True
     """fast_io only. Write the data files with O_DIRECT, past the page cache, checksumming them on
     the way (checkpoint/fast_io/data_files.py): faster on local disks; a filesystem that refuses
@@ -555,6 +562,12 @@ class Checkpoint(Section):
     (e.g. rope_theta, norm_eps), for a deliberate change: the differences are logged as a warning
     instead of stopping the run. Tensor shapes must still match."""
 
+    allow_other_run: bool = False
+    """Resume a checkpoint of another run found in this run's checkpoint folder (copied in) although
+    this folder's run has an identity of its own (run_id in job.dump_folder); its saves stay this run's.
+    Not needed to continue a run in a new folder (it adopts the identity of the checkpoint it
+    resumes); a step folder that is a symbolic link is refused even so (docs/checkpointing.md)."""
+
     initial_load_path: str = ""
     """Weights to start from when there is no checkpoint to resume: a checkpoint folder (step-N) or
     a Hugging Face folder of .safetensors files (converted through the model's adapter)."""
@@ -574,6 +587,8 @@ class Checkpoint(Section):
             ("load_step", self.enable or self.load_step == -1, RESUMING_ONLY),
             ("exclude_from_loading", self.enable or not self.exclude_from_loading, RESUMING_ONLY),
             ("allow_model_change", self.enable or not self.allow_model_change, RESUMING_ONLY),
+            ("allow_other_run", self.enable or not self.allow_other_run, RESUMING_ONLY),
+            ("async_min_write_mb_per_s", self.async_min_write_mb_per_s >= 0, "must be >= 0 (0: no bound)"),
         ])  # fmt: skip
 
 

@@ -2,6 +2,8 @@
 # Fault tolerance on one machine: torchft's lighthouse and REPLICA_GROUPS replica groups of
 # NPROC_PER_GROUP processes each (GPUs split between the groups when there are GPUs). A group that
 # fails is started again (up to RESTARTS times): it copies the live state from a peer and goes on.
+# The lighthouse too is started again when it dies (up to RESTARTS times): the groups wait for it
+# (fault_tolerance.timeout_seconds), then go on; groups that stopped meanwhile are started again.
 #
 #   REPLICA_GROUPS=2 NPROC_PER_GROUP=4 bash scripts/fault_tolerance_local.sh --config configs/llama3_8b.toml
 #
@@ -31,8 +33,22 @@ except UserError as e:
     sys.exit(f'error: {e}')" "$@") || exit 2
 mkdir -p -- "$folder"
 
-torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --quorum_tick_ms 100 --join_timeout_ms 10000 \
-    --heartbeat_timeout_ms "${HEARTBEAT_MS:-5000}" --bind "[::]:$port" >"$folder/lighthouse.log" 2>&1 &
+keep_lighthouse() {
+    local attempt child=""
+    trap 'kill "$child" 2>/dev/null; exit' TERM
+    for attempt in $(seq 0 "$restarts"); do
+        if [ "$attempt" -gt 0 ]; then
+            echo "lighthouse: restart $attempt" >&2
+            sleep 1  # its port free again
+        fi
+        torchft_lighthouse --min_replicas "${MIN_REPLICAS:-1}" --quorum_tick_ms 100 --join_timeout_ms 10000 \
+            --heartbeat_timeout_ms "${HEARTBEAT_MS:-5000}" --bind "[::]:$port" >>"$folder/lighthouse.log" 2>&1 &
+        child=$!
+        wait "$child"
+    done
+}
+: >"$folder/lighthouse.log"
+keep_lighthouse &
 lighthouse=$!
 trap 'kill "$lighthouse" 2>/dev/null; kill 0 2>/dev/null' EXIT
 export TORCHFT_LIGHTHOUSE="http://localhost:$port"

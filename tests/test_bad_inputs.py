@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, run_train, write_mixture, write_token_source
 
+from checkpoint import integrity
 from parallelisms.compile import COMPILED_CHECKPOINT_FAILS_WITH_TP
 from training import run_folder
 
@@ -107,7 +108,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "in_the_way" / "checkpoint" / "step-2").write_text("not a checkpoint")
     (root / "checkpoint_file").mkdir()
     (root / "checkpoint_file" / "checkpoint").write_text("not a folder")
-    for name in ("truncated", "flipped", "unverified", "bad_manifest", "other_model"):
+    for name in ("truncated", "flipped", "unverified", "bad_manifest", "other_model", "other_run", "unlisted",
+                 "gone", "corrupt_metadata"):  # fmt: skip
         shutil.copytree(root / "run" / "checkpoint" / "step-2", root / name / "checkpoint" / "step-2")
     for name in ("truncated", "unverified"):
         data = root / name / "checkpoint" / "step-2" / "__0_0.distcp"
@@ -118,6 +120,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     data.write_bytes(bytes(content))
     (root / "unverified" / "checkpoint" / "step-2" / "checksums.json").unlink()  # as older code saved
     (root / "bad_manifest" / "checkpoint" / "step-2" / "checksums.json").write_text('{"files": ')
+    # Checkpoint identity (checkpoint/run_identity.py) and every file covered by checksums.json.
+    (root / "linked" / "checkpoint").mkdir(parents=True)
+    (root / "linked" / "checkpoint" / "step-2").symlink_to(root / "run" / "checkpoint" / "step-2")
+    (root / "other_run" / "run_id").write_text("0123456789abcdef\n")  # this folder's run is another
+    manifest = root / "unlisted" / "checkpoint" / "step-2" / "checksums.json"
+    recorded = json.loads(manifest.read_text())
+    del recorded["files"]["__0_1.distcp"]
+    manifest.write_text(json.dumps(recorded))
+    (root / "gone" / "checkpoint" / "step-2" / "__0_3.distcp").unlink()
+    # A .metadata that cannot be unpickled (checksums recomputed), with an earlier step to go back to.
+    corrupt = root / "corrupt_metadata" / "checkpoint"
+    shutil.copytree(corrupt / "step-2", corrupt / "step-1")
+    (corrupt / "step-2" / ".metadata").write_bytes(b"not a pickle")
+    integrity.record(corrupt / "step-2")
     run_folder.lock(root / "locked")
     yield {"root": root}
     run_folder.release()
@@ -302,7 +318,19 @@ def cases(root: Path) -> list[tuple[str, list[str], str]]:
         ("flipped checkpoint bytes", [*RESUME, "--job.dump_folder", str(root / "flipped")],
          "checkpoint/step-2 is damaged: __0_0.distcp does not match its checksum: bytes 0-"),
         ("truncated, no checksums", [*RESUME, "--job.dump_folder", str(root / "unverified")],
-         "could not be read"),
+         "step-2 could not be read: __0_0.distcp: it ends before its records do (truncated?); it was not used"),
+        ("corrupt .metadata", [*RESUME, "--job.dump_folder", str(root / "corrupt_metadata")],
+         "step-2 is corrupt: its .metadata cannot be read (invalid load key, 'n'.); it was not used; to resume "
+         "from an earlier one: --checkpoint.load_step 1"),
+        ("a file checksums.json leaves out", [*RESUME, "--job.dump_folder", str(root / "unlisted")],
+         "checkpoint/step-2 is damaged: __0_1.distcp is not in its checksums.json (added after saving?)"),
+        ("a data file gone", [*RESUME, "--job.dump_folder", str(root / "gone")],
+         "checkpoint/step-2 is damaged: __0_3.distcp is missing"),
+        ("a step folder linked", [*RESUME, "--job.dump_folder", str(root / "linked")],
+         f"linked/checkpoint/step-2 is a symbolic link (to {root / 'run' / 'checkpoint' / 'step-2'}), not a "
+         "checkpoint of this run"),
+        ("another run's checkpoint", [*RESUME, "--job.dump_folder", str(root / "other_run")],
+         "belongs to another run (run "),
         ("damaged checksums", [*RESUME, "--job.dump_folder", str(root / "bad_manifest")],
          "checkpoint/step-2 is damaged: its checksums.json cannot be read"),
         ("another model's checkpoint", [*RESUME, "--model.flavor", "debugmodel",

@@ -7,6 +7,7 @@ sources, one of them in its third epoch by the end: the data order is part of wh
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -214,6 +216,40 @@ def test_changed_global_batch_warns_and_continues_from_the_next_sample(reference
     assert "training.global_batch_size changed from 8 to 16" in result.stdout + result.stderr
     first = by_step(read_metrics(folder))[6]
     assert first["sample_ids"] == list(range(40, 56))
+    # The new folder adopted the copied checkpoint's run (checkpoint/run_identity.py), and saves as it.
+    run_id = (reference / "run_id").read_text().strip()
+    assert (folder / "run_id").read_text().strip() == run_id
+    for step in (5, 10):
+        manifest = folder / "checkpoint" / f"step-{step}" / "checksums.json"
+        assert json.loads(manifest.read_text())["run_id"] == run_id
+
+
+def test_run_identity_is_made_adopted_and_checked(tmp_path, caplog):
+    """checkpoint/run_identity.py: a folder's identity is made once, never replaced; a folder without
+    one adopts the checkpoint's; another run's checkpoint is refused unless allowed; one saved
+    before identities is loaded with a note."""
+    from checkpoint import run_identity
+    from configs import UserError
+
+    theirs, checkpoint = {"run_id": "0123456789abcdef", "files": {}}, tmp_path / "checkpoint" / "step-5"
+    assert run_identity.check(checkpoint, theirs, tmp_path, False) == "0123456789abcdef"  # nothing yet
+    run_identity.adopt(tmp_path, "0123456789abcdef")
+    assert run_identity.for_saves(tmp_path) == "0123456789abcdef"
+    run_identity.adopt(tmp_path, "fedcba9876543210")  # (made once: never replaced)
+    assert run_identity.of_folder(tmp_path) == "0123456789abcdef"
+    other = {"run_id": "fedcba9876543210", "files": {}}
+    with pytest.raises(UserError, match=r"another run \(run fedcba9876543210; this folder's run is 0123"):
+        run_identity.check(checkpoint, other, tmp_path, allow_other_run=False)
+    with caplog.at_level(logging.INFO, logger="checkpoint"):
+        assert run_identity.check(checkpoint, other, tmp_path, True) is None  # (nothing adopted)
+        assert run_identity.check(checkpoint, {"files": {}}, tmp_path, False) is None
+    said = [record.getMessage() for record in caplog.records]
+    assert said[0].endswith("resumed as checkpoint.allow_other_run asks; this run's saves stay its own")
+    assert said[1] == f"{checkpoint} was saved before checkpoints recorded their run: loaded as this run's"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert re.fullmatch(r"[0-9a-f]{16}", made := run_identity.for_saves(fresh))
+    assert run_identity.for_saves(fresh) == made
 
 
 def test_incomplete_save_is_ignored_and_an_unverifiable_checkpoint_loads(reference, tmp_path):
@@ -316,9 +352,10 @@ def test_writer_process_rebuilds_the_staged_state_as_dcp_plans_it():
         dist.destroy_process_group()
 
 
-def _async_checkpointer(folder: Path):
+def _async_checkpointer(folder: Path, writer: str = "process", stop_requested=lambda: None):
     """(model, optimizer, Checkpointer) of a tiny Linear model, saving async through writer
-    processes (the process group already made)."""
+    processes (or threads), the process group already made; one optimizer step taken (the host
+    buffers are made after the first step)."""
     from checkpoint.manager import Checkpointer
     from checkpoint.state import TrainState
     from configs.schema import Checkpoint
@@ -327,8 +364,11 @@ def _async_checkpointer(folder: Path):
     optimizer = torch.optim.AdamW(model.parameters())
     optimizers = type("Optimizers", (), {"parts": [optimizer]})()
     dataloader = type("Loader", (), {"state_dict": lambda self: {"position": 3}})()
-    config = Checkpoint(enable=True, async_mode="async", async_writer="process")
-    checkpointer = Checkpointer(config, folder, [model], optimizers, dataloader, TrainState(), None, 10)
+    config = Checkpoint(enable=True, async_mode="async", async_writer=writer)
+    checkpointer = Checkpointer(config, folder, [model], optimizers, dataloader, TrainState(), None, 10,
+                                stop_requested=stop_requested)  # fmt: skip
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
     return model, optimizer, checkpointer
 
 
@@ -345,8 +385,6 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model, optimizer, checkpointer = _async_checkpointer(tmp_path)
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()  # (the host buffers are made after the first step)
         checkpointer.save(1)
         assert checkpointer.storage.writer.ready is False  # the save did not wait for the writer to start
         deadline = time.monotonic() + 60
@@ -361,6 +399,109 @@ def test_async_save_is_committed_when_its_write_ends(tmp_path):
         checkpointer.wait()
         assert complete_steps(tmp_path / "checkpoint") == [1, 2]
         checkpointer.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_writer_process_that_died_between_saves_is_replaced_by_a_thread(tmp_path, caplog):
+    """The writer process killed (kill -9, the OOM killer) after a save: the next save is written
+    by a thread of the training process, said in one warning, and committed (the run used to stop
+    there, though training was healthy); the saves after it too."""
+    import torch.distributed as dist
+
+    from checkpoint.saving import complete_steps
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _, _, checkpointer = _async_checkpointer(tmp_path)
+        checkpointer.save(1)
+        checkpointer.wait()
+        checkpointer.storage.writer.process.kill()
+        checkpointer.storage.writer.process.wait()
+        with caplog.at_level(logging.WARNING, logger="checkpoint"):
+            checkpointer.save(2)
+            checkpointer.wait()
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+            "the checkpoint writer process ended (killed by SIGKILL: out of memory, or kill -9): this save "
+            "and the next are written by a thread of the training process instead (training may run slower "
+            "while one writes: docs/checkpointing.md)"
+        ]
+        checkpointer.save(3)
+        checkpointer.close()
+        assert complete_steps(tmp_path / "checkpoint") == [1, 2, 3]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_stopped_writer_is_given_up_with_one_error_and_the_last_checkpoint_kept(
+    writer, tmp_path, monkeypatch, caplog
+):
+    """The writer process stopped (SIGSTOP) while it writes step 2, or a writer thread stuck in
+    its write: the save of step 3 waits for it, saying so, then gives up (process: past the bound,
+    here 1 s + the size at 50 MB/s; thread: a stop signal comes while it waits) with one error,
+    step-1 intact, the writer process killed, no step-2 ever committed. (It used to wait forever,
+    silently, deaf to SIGTERM; a watchdog here lets the old wait end after 60 s.)"""
+    import torch.distributed as dist
+
+    from checkpoint import background
+    from checkpoint.saving import complete_steps
+    from configs import UserError
+
+    monkeypatch.setattr(background, "LOG_EVERY_S", 0.3)
+    signal_received = []
+    stuck = threading.Event()
+    if writer == "thread":  # the write of step 2 blocks until released
+        import checkpoint.fast_io as fast_io
+
+        write_files = fast_io.write_files
+
+        def stuck_at_step_2(state, folder, *args, **kwargs):
+            if folder.name == "step-2.partial":
+                stuck.wait()
+            return write_files(state, folder, *args, **kwargs)
+
+        monkeypatch.setattr(fast_io, "write_files", stuck_at_step_2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _, _, checkpointer = _async_checkpointer(tmp_path, writer, lambda: next(iter(signal_received), None))
+        checkpointer.save(1)
+        checkpointer.wait()  # (the writer process has started: 120 s bound that)
+        monkeypatch.setattr(background, "BASE_S", 1.0)
+        if writer == "process":
+            process = checkpointer.storage.writer.process
+            os.kill(process.pid, signal.SIGSTOP)
+            watchdog = threading.Timer(60, os.kill, (process.pid, signal.SIGCONT))
+        else:
+            threading.Timer(0.8, signal_received.append, ("SIGTERM",)).start()
+            watchdog = threading.Timer(60, stuck.set)
+        watchdog.start()
+        checkpointer.save(2)
+        with caplog.at_level(logging.INFO, logger="checkpoint"), pytest.raises(UserError) as given_up:
+            checkpointer.save(3)
+        watchdog.cancel()
+        folder = tmp_path / "checkpoint"
+        why = (
+            r"its background write had not finished \d+ s after it began \(the bound: 1 s \+ 0\.0 GB at 50 "
+            r"MB/s, checkpoint\.async_min_write_mb_per_s; a writer stopped or stuck\?\)"
+            if writer == "process"
+            else r"stopped by SIGTERM while waiting \d+ s for its background write"
+        )
+        assert re.fullmatch(
+            f"checkpoint {folder / 'step-2'} could not be saved: {why}; {folder / 'step-1'} is the latest "
+            "complete one",
+            str(given_up.value),
+        ), given_up.value
+        said = [record.getMessage() for record in caplog.records]
+        assert any(line.startswith("waiting for the background save of step 2 (") for line in said), said
+        if writer == "process":
+            assert process.poll() is not None  # killed, not left stopped
+        stuck.set()  # (the stuck thread writes after all: nothing of it is committed)
+        for thread in threading.enumerate():
+            if thread.name == "checkpoint-2":
+                thread.join(timeout=30)
+        assert complete_steps(folder) == [1] and not (folder / "step-2.partial").exists()
+        checkpointer.storage.close()
     finally:
         dist.destroy_process_group()
 
@@ -383,8 +524,6 @@ def _save_with_shared_memory_refused_on_rank_1(rank: int, folder: str, port: int
 
         staging.HostArena = refused
     model, optimizer, checkpointer = _async_checkpointer(Path(folder))
-    model(torch.ones(2, 4)).sum().backward()
-    optimizer.step()  # (the host buffers are made after the first step)
     assert checkpointer.storage.writer is None, f"rank {rank} kept its writer process"
     checkpointer.save(1)
     checkpointer.wait()
@@ -601,6 +740,65 @@ def test_a_full_disk_is_named_in_the_save_error(monkeypatch, tmp_path):
     assert storage.low_disk_note(tmp_path) == ""  # this disk has room
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: SimpleNamespace(free=12_000_000))
     assert storage.low_disk_note(tmp_path) == " (its disk has 0.0 GB free)"
+
+
+def test_writer_threads_failing_after_the_save_failed_print_nothing(monkeypatch, tmp_path):
+    """A full disk fails every writer thread of DCP's (checkpoint.writer_threads); when the calling
+    thread's own write fails first, DCP returns at once and the others fail later: their
+    tracebacks went to stderr (threading.excepthook) before the run's error line. The save's error
+    names a file."""
+    import errno
+    import warnings
+
+    from checkpoint.fast_io import data_files
+    from checkpoint.fast_io.writing import write_files
+
+    calling = threading.get_ident()
+
+    def disk_full(self):
+        if threading.get_ident() != calling:
+            time.sleep(0.3)  # (fail after the save has returned)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(data_files.DataFile, "_write_piece", disk_full)
+    printed = []  # what would print a thread's traceback
+    monkeypatch.setattr(threading, "excepthook", printed.append)
+    warnings.filterwarnings("ignore")  # DCP without a process group says so
+    state = {f"w{i}": torch.randn(64, 64) for i in range(8)}
+    error, _ = write_files(state, tmp_path, 0, writer_threads=4, direct_io=False)
+    assert re.fullmatch(rf"No space left on device \({tmp_path}/__0_\d\.distcp\)", error), error
+    for thread in threading.enumerate():  # (the old code's threads, still failing)
+        if "_write_files_from_queue" in thread.name:
+            thread.join()
+    assert printed == []
+
+
+def test_a_full_disk_during_an_async_save_says_one_line(tmp_path):
+    """A real full disk (a 5 MB tmpfs: step-2 fits, step-4 does not) under an async save by the
+    writer process: stderr holds the run's one error line and nothing else (no traceback, no
+    warning of the writer's start), naming a file; the log one warning of it."""
+    folder = tmp_path / "small_disk"
+    folder.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(folder)]
+    mounted = subprocess.run(mount, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mount here (root only): {mounted.stderr.decode().strip()}")
+    try:
+        args = [*TINY, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.async_mode", "async", "--job.dump_folder", str(folder / "run")]  # fmt: skip
+        result = run_train(args, check=False)
+        checkpoints = folder / "run" / "checkpoint"
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert re.fullmatch(
+            f"error: checkpoint {checkpoints / 'step-4'} could not be saved: No space left on device "
+            rf"\({checkpoints / 'step-4.partial'}/__0_\d+\.distcp\) \(its disk has 0\.0 GB free\); "
+            f"{checkpoints / 'step-2'} is the latest complete one\n",
+            result.stderr,
+        ), result.stderr
+        assert result.stdout.count("could not be saved") == 1 and "Traceback" not in result.stdout
+        assert sorted(p.name for p in checkpoints.iterdir()) == ["step-2"]
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
 
 
 # Loaded by every train.py process through PYTHONPATH: rank 1's writes into FAIL_SAVE's folder

@@ -292,3 +292,41 @@ def test_a_hung_rank_ends_the_run_with_one_error_line_after_the_timeout(tmp_path
     ]
     assert "another rank is hung or gone" in errors[0] and "Timed out waiting" not in output
     assert 8 <= time.time() - started < 60
+
+
+# Loaded by train.py (PYTHONPATH): the process sends itself $STOP_SIGNAL as the checkpoint starts
+# loading, so that the signal comes during start-up whatever the machine's speed.
+SIGNAL_DURING_LOAD = """
+import os, signal, sys
+if sys.argv and sys.argv[0].endswith("train.py"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+    import checkpoint.manager
+    load = checkpoint.manager.Checkpointer.load
+    def load_after_a_signal(self):
+        os.kill(os.getpid(), signal.Signals[os.environ["STOP_SIGNAL"]])
+        return load(self)
+    checkpoint.manager.Checkpointer.load = load_after_a_signal
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_signal_during_start_up_stops_before_the_first_step(tmp_path, monkeypatch):
+    """SIGTERM, then Ctrl-C, while the checkpoint of step 2 loads: the run stops before step 3 with a
+    line that says so and no traceback, logs no step, saves nothing (the checkpoint it has just
+    loaded is the latest) and exits 0, or 130 after Ctrl-C, as a stop after a step does."""
+    folder = tmp_path / "run"
+    args = [*TINY, "--checkpoint.enable", "--job.dump_folder", str(folder)]
+    run_train([*args, "--training.steps", "2"])
+    (tmp_path / "sitecustomize.py").write_text(SIGNAL_DURING_LOAD)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for name, code in (("SIGTERM", 0), ("SIGINT", 130)):
+        monkeypatch.setenv("STOP_SIGNAL", name)
+        result = run_train([*args, "--training.steps", "4"], check=False)
+        output = result.stdout + result.stderr
+        assert result.returncode == code and "Traceback" not in output, output[-3000:]
+        assert (
+            f"stopped by {name} during start-up, before step 3: no checkpoint saved (nothing new since the "
+            "checkpoint of step 2 it resumed from)" in result.stdout
+        ), output[-3000:]
+        assert [record["step"] for record in read_metrics(folder)] == [1, 2]
+        assert [path.name for path in (folder / "checkpoint").iterdir()] == ["step-2"]

@@ -155,7 +155,7 @@ def test_folders_written_by_runs_are_run_folders(tmp_path):
     for folder in ("checkpoint/step-5", "tb", "profiles", "previous-1", "replica_0", "ckpt/step-2.partial"):
         (tmp_path / folder).mkdir(parents=True)
     for name in ("config.toml", "metrics.jsonl", "metrics.jsonl.tmp", "replica_0.log", "lighthouse.log",
-                 "train.log", ".run.lock"):  # fmt: skip
+                 "train.log", ".run.lock", "run_id"):  # fmt: skip
         (tmp_path / name).write_text("")
     run_folder.refuse_unless_run_folder(tmp_path, "checkpoint")  # (ckpt/: an earlier checkpoint.folder)
     (tmp_path / "notes.txt").write_text("")

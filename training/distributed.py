@@ -31,7 +31,7 @@ def setup_logging() -> None:
         lambda record: "sequential all_reduce" not in record.getMessage()
     )
     if torch.version.cuda is None:
-        quiet_torchao_on_cpu()
+        quiet_cpu_build_noise()
     prefix = f"[rank{rank()}] " if world_size() > 1 and rank() != 0 else ""
     logging.basicConfig(
         level=logging.INFO if rank() == 0 else logging.WARNING,
@@ -42,14 +42,17 @@ def setup_logging() -> None:
     )
 
 
-def quiet_torchao_on_cpu() -> None:
+def quiet_cpu_build_noise() -> None:
     """torchao (float8) ships CUDA kernels and Triton ones: on a CPU build of torch, importing it logs
-    that each failed to load, and torch that the enums it registers need no registration. Nothing
-    there is for a CPU run to act on (float8 is emulated), so those lines are dropped."""
+    that each failed to load, and torch that the enums it registers need no registration. torchft
+    (fault tolerance) warns at every new quorum that it cannot reset NCCL's flight recorder, which a
+    build without NCCL does not have. Nothing there is for a CPU run to act on (float8 is emulated,
+    torchft's groups talk over gloo), so those lines are dropped."""
     noise = {
         "torchao": "Failed to load ",
         "torchao.kernel.intmm": "Warning: Detected no triton",
         "torch.utils._pytree": "is an Enum subclass and is now natively supported",
+        "torchft.manager": "Unable to reset NCCL flight recorder",
     }
     for name, text in noise.items():
         logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())

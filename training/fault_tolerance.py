@@ -21,11 +21,17 @@ whole global batch, so the groups' gradients are summed: all-reduced as a mean o
 times group_size, which with every group alive is the sum, and with fewer is the mean gradient of
 the samples that were read. The samples of a dead group's slices, and of a step that failed, are
 skipped, never read twice (docs/fault_tolerance.md).
+
+The lighthouse: a quorum that cannot reach it is retried for timeout_seconds (a lighthouse started
+again at its address meanwhile lets the groups go on); after that the group stops with one line.
 """
 
 import contextlib
 import logging
+import math
 import os
+import socket
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -39,6 +45,7 @@ from checkpoint.state import load_model_state, load_optimizer_state, model_state
 from configs import UserError
 from configs.schema import FaultTolerance as Config
 from models.moe import moe_layers
+from training import distributed
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +56,60 @@ def record_folder(dump_folder: Path, config: Config) -> Path:
     return dump_folder / f"replica_{config.replica_id}" if config.enable else dump_folder
 
 
+class NoQuorum(Exception):
+    """No quorum of replica groups formed within fault_tolerance.timeout_seconds (the lighthouse
+    gone, or too few groups up): this group stops, with one `error:` line (exit 1)."""
+
+
 class StepAbandoned(Exception):
     """A step ended early among replica groups: a group failed during it (no group updates), or
     this group healed from a peer at a local_sgd sync (its state is now the peer's). The loop goes
     on with its next step; nothing of this one is logged or saved."""
+
+
+def noting_members(process_group: type) -> type:
+    """torchft's process group class, noting which replica groups the quorum it was last configured
+    for holds (to name a group that is lost): torchft gives configure() every member's global rank,
+    replica id x ranks per group + group rank."""
+
+    class NotingMembers(process_group):
+        replica_groups: tuple[int, ...] = ()
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                      group_world_size=None, global_ranks=None) -> None:  # fmt: skip
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                              group_world_size, global_ranks)  # fmt: skip
+            if global_ranks and group_world_size:
+                self.replica_groups = tuple(sorted({r // group_world_size for r in global_ranks}))
+
+    return NotingMembers
+
+
+def not_a_lost_peer(record: logging.LogRecord) -> bool:
+    """False for torchft's traceback of a collective that a lost peer broke (a group killed or
+    gone): the loop says that in one line, naming the group."""
+    error = record.exc_info[1] if record.exc_info else None
+    return error is None or distributed.peer_failure(error) is None
+
+
+def quiet_torchft_logs() -> None:
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    # Its Python side logs every commit at info, and every step and quorum as a record for
+    # OpenTelemetry (an empty message with fields) that our format prints as an empty line.
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("torchft.manager").addFilter(not_a_lost_peer)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")  # its transfers
+
+
+def reachable(address: str) -> bool:
+    """Whether something accepts connections at address (http://host:port)."""
+    url = urllib.parse.urlsplit(address)
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=5).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def local(tensor):
@@ -95,6 +152,7 @@ class FaultTolerance:
         self.manager = self.local_sgd = None
         self.device = device
         self.healed = False  # set by a peer's state arriving in a quorum
+        self.step_failed = False  # set by commit(), said after the next quorum
         if not self.enabled:
             return
         if self.semi_sync and checkpoint_interval % self.sync_steps:
@@ -109,9 +167,7 @@ class FaultTolerance:
                 "fault_tolerance replaces HSDP's replicas: set parallelism.data_parallel_replicate_degree "
                 "= 1 and fault_tolerance.group_size to the number of replica groups"
             )
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
-        logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Python side every commit
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # its transfers
+        quiet_torchft_logs()
         try:
             import torchft
         except ImportError:
@@ -122,23 +178,73 @@ class FaultTolerance:
                             "$TORCHFT_LIGHTHOUSE (scripts/fault_tolerance_local.sh starts one)")  # fmt: skip
         if "MASTER_ADDR" not in os.environ:
             raise UserError("fault_tolerance needs torchrun (each replica group is a torchrun job)")
+        self.lighthouse, self.timeout_seconds = lighthouse, config.timeout_seconds
         timeout = timedelta(seconds=config.timeout_seconds)
         nccl = config.backend == "nccl" or (config.backend == "auto" and device.type == "cuda")
-        group = (torchft.ProcessGroupNCCL if nccl else torchft.ProcessGroupGloo)(timeout=timeout)
-        self.loss_device = device if nccl else torch.device("cpu")
-        self.manager = torchft.Manager(
-            pg=group,
-            load_state_dict=None,
-            state_dict=None,
-            min_replica_size=config.min_replica_size,
-            use_async_quorum=False,  # a group that is behind heals in step(), before it reads data
-            replica_id=f"replica_{config.replica_id}",
-            lighthouse_addr=lighthouse,
-            timeout=timeout,
-            quorum_timeout=timeout,
-            connect_timeout=timeout,
-            init_sync=False,  # every group starts from the same seed or checkpoint
+        self.group = noting_members(torchft.ProcessGroupNCCL if nccl else torchft.ProcessGroupGloo)(
+            timeout=timeout
         )
+        self.loss_device = device if nccl else torch.device("cpu")
+        try:
+            self.manager = torchft.Manager(
+                pg=self.group,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=config.min_replica_size,
+                use_async_quorum=False,  # a group that is behind heals in step(), before it reads data
+                replica_id=f"replica_{config.replica_id}",
+                lighthouse_addr=lighthouse,
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timeout,
+                # A quorum request that finds no lighthouse is sent again about every second until
+                # the quorum times out: a lighthouse started again meanwhile lets the groups go on.
+                quorum_retries=math.ceil(config.timeout_seconds),
+                init_sync=False,  # every group starts from the same seed or checkpoint
+            )
+        except RuntimeError as error:  # torchft: "failed to connect to <lighthouse> within timeout ..."
+            if lighthouse not in str(error):
+                raise
+            raise self._no_quorum() from None
+
+    def _no_quorum(self) -> NoQuorum:
+        waited = f"fault_tolerance.timeout_seconds = {self.timeout_seconds:g} s"
+        if reachable(self.lighthouse):
+            return NoQuorum(
+                f"replica group {self.replica_id} found no quorum of replica groups within {waited}, "
+                f"though the torchft lighthouse at {self.lighthouse} answers (fewer groups up than its "
+                "--min_replicas?)"
+            )
+        return NoQuorum(
+            f"the torchft lighthouse at {self.lighthouse} is unreachable: replica group {self.replica_id} "
+            f"waited {waited} for it and stops. Start the lighthouse again at that address, then this "
+            "group: it continues from a live group's state or the latest checkpoint "
+            "(scripts/fault_tolerance_local.sh restarts both)"
+        )
+
+    @contextlib.contextmanager
+    def _quorum(self, after_failed_step: bool = False) -> Iterator[None]:
+        """Around the forming of a quorum: one that never forms stops the group (NoQuorum, one
+        line). After it one warning names the groups it lost (torchft's traceback of the collective
+        they broke is dropped) and says whether the step before was not committed."""
+        before = self.group.replica_groups
+        try:
+            yield
+        except TimeoutError:
+            raise self._no_quorum() from None
+        lost = [group for group in before if group not in self.group.replica_groups]
+        rerun = "not committed, it runs again"
+        if distributed.rank() != 0 or not (lost or after_failed_step):
+            return
+        if not lost:
+            logger.warning(f"a replica group failed during the last step: {rerun}")
+            return
+        during = f" during the last step ({rerun})" if after_failed_step else ""
+        if len(lost) == 1:
+            logger.warning(f"replica group {lost[0]} was lost{during}: the other groups go on without it")
+        else:
+            names = ", ".join(map(str, lost))
+            logger.warning(f"replica groups {names} were lost{during}: the others go on without them")
 
     # ---- data and reductions ---------------------------------------------------------------
     def data_parallel(self, degree: int, rank: int) -> tuple[int, int]:
@@ -220,7 +326,9 @@ class FaultTolerance:
         commit() or sync() abandons ends here. Disabled: the body runs as it is."""
         if self.enabled and not self.semi_sync:  # semi-sync: the quorum is at the next sync
             self.healed = False
-            self.manager.start_quorum()
+            with self._quorum(after_failed_step=self.step_failed):
+                self.manager.start_quorum()
+            self.step_failed = False
             if self.healed:
                 on_new_state()
         try:
@@ -233,7 +341,7 @@ class FaultTolerance:
         gradients are dropped and the step abandoned)."""
         if not self.enabled or self.semi_sync or self.manager.should_commit():
             return
-        logger.warning("a replica group failed during this step: not committed, the step runs again")
+        self.step_failed = True  # said at the next quorum, with the group lost if one was
         optimizers.zero_grad()
         raise StepAbandoned
 
@@ -244,7 +352,10 @@ class FaultTolerance:
         if self.local_sgd is None or (step % self.sync_steps and step != last_step):
             return
         self.healed = False
-        self.local_sgd.sync()
+        with self._quorum():  # (and the averaging: torchft's LocalSGD does both)
+            self.local_sgd.sync()
+        if self.manager.errored() is not None and distributed.rank() == 0:
+            logger.warning("a replica group failed during this sync: the parameters were not averaged")
         if self.healed:
             on_new_state()
             raise StepAbandoned

@@ -2,7 +2,7 @@
 running the same command again does.
 
 - A run folder holds only what runs write (config.toml, metrics.jsonl, tb/, wandb/, the checkpoint
-  folder, profiles/, previous-<n>/, fault tolerance's replica_<id>/ and logs, .run.lock). A
+  folder, run_id, profiles/, previous-<n>/, fault tolerance's replica_<id>/ and logs, .run.lock). A
   non-empty folder holding anything else (a home directory, a dataset, `/`) is refused: a run would
   write into it. checkpoint.folder must name a folder inside it.
 - The lock: rank 0 holds an exclusive flock on <folder>/.run.lock from before the resume to its
@@ -32,6 +32,7 @@ from typing import TextIO
 import torch.distributed as dist
 
 from checkpoint.loading import latest_step
+from checkpoint.run_identity import RUN_ID
 from checkpoint.saving import complete_steps
 from checkpoint.storage import describe
 from configs import UserError, config_to_toml, load_config
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 LOCK = ".run.lock"
 RECORDS = ("metrics.jsonl", "tb", "config.toml", "wandb")  # what a run that starts over sets aside
-RUN_NAMES = {*RECORDS, "metrics.jsonl.tmp", "profiles", LOCK}
+RUN_NAMES = {*RECORDS, "metrics.jsonl.tmp", "profiles", LOCK, RUN_ID}  # (RUN_ID: the run's identity)
 # Also written by runs: earlier records, replica groups' folders, logs of the launchers
 # (scripts/fault_tolerance_local.sh, `| tee`), and NFS's names for deleted files still open.
 RUN_PATTERN = re.compile(r"previous-\d+|replica_\d+|.*\.(log|out|err)|\.nfs.*")

@@ -15,6 +15,7 @@ used by both (DCP's writer threads, and this path's reader threads).
 """
 
 import concurrent.futures
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from checkpoint.fast_io.writer_process import WriterProcess, describe_staged
 from checkpoint.fast_io.writing import write_files
 from checkpoint.storage import Written
 from configs.schema import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 class FastIO:
@@ -77,6 +80,8 @@ class FastIO:
         return write_files(state, folder, self.rank, self.threads, self.direct_io)
 
     def write_later(self, state: dict, folder: Path) -> Callable[[], Written]:
+        if self.writer is not None:
+            self._write_from_threads_if_a_writer_ended()
         staged = self.stager.stage(state)
 
         def write() -> Written:
@@ -100,9 +105,37 @@ class FastIO:
         if self.stager is not None:
             self.stager.wait()
 
+    def abandon(self) -> bool:
+        """An async save is given up: the writer process, stopped or stuck, is killed (its save then
+        fails, and its partial folder is removed); True if there was one."""
+        if self.writer is None:
+            return False
+        self.writer.kill()
+        return True
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+    def _write_from_threads_if_a_writer_ended(self) -> None:
+        """Before an async save: if the writer process of any rank has ended (killed, out of memory),
+        every rank writes this save and the next from a thread of its training process, as
+        async_writer = "thread" does (the writers save as one group: all from processes, or none).
+        Without this, the save failed and the run stopped, though training was healthy."""
+        ended = self.writer.ended()
+        alive = torch.tensor([int(ended is None)])
+        if dist.get_world_size(self.group) > 1:  # (no save in flight uses the group now)
+            dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=self.group)
+        if alive.item():
+            return
+        self.writer.close()
+        self.writer = None
+        if ended is not None or self.rank == 0:
+            whose = f"the checkpoint writer process ended ({ended})" if ended else "a rank's writer ended"
+            logger.warning(
+                f"{whose}: this save and the next are written by a thread of the training process instead "
+                "(training may run slower while one writes: docs/checkpointing.md)"
+            )
 
     def _attach_writer(self, stager: Stager) -> None:
         if self.writer is None:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from checkpoint.data_only import DataOnlyReader
+from checkpoint.data_only import DataOnlyReader, read_file_by_file
 from checkpoint.integrity import PIECE_BYTES
 
 SMALL_WRITE = 64 * 1024  # bytes; larger writes are copied by numpy, without the GIL
@@ -207,8 +207,9 @@ class ParallelReader(DataOnlyReader):
         runs = [dataclasses.replace(plan, items=run) for run in equal_runs(tensors, sizes, self.threads)]
         start = time.perf_counter()
         with ThreadPoolExecutor(max(1, len(runs))) as pool:
-            for done in [pool.submit(FileSystemReader.read_data, self, run, planner) for run in runs]:
-                done.result()  # (raises the first failure)
+            read = lambda part: FileSystemReader.read_data(self, part, planner)
+            for done in [pool.submit(read_file_by_file, self, run, read) for run in runs]:
+                done.result()  # (raises the first failure, naming its file)
         self.timings["tensors"] = time.perf_counter() - start
         finished = Future()
         finished.set_result(None)

@@ -13,7 +13,10 @@ commits the save as before. With several ranks the writers plan together in thei
 (on the run's rendezvous store, under a prefix of their own).
 
 The writer dies with its training process (PR_SET_PDEATHSIG): a killed run leaves only a
-`.partial` folder, never loaded. It does not use the GPU (CUDA_VISIBLE_DEVICES is empty there).
+`.partial` folder, never loaded. It does not use the GPU (CUDA_VISIBLE_DEVICES is empty there). A
+writer that dies first (killed, out of memory) is replaced by a thread of the training process
+(checkpoint/fast_io/__init__.py); one that stops (SIGSTOP, stuck) is given up at the bound of
+checkpoint/background.py and killed.
 """
 
 import ctypes
@@ -112,8 +115,10 @@ class WriterProcess:
     def __init__(self, rank: int, world_size: int, group_prefix: str):
         ours, theirs = socket.socketpair()
         self.connection = Connection(ours.detach())
-        command = [sys.executable, "-m", "checkpoint.fast_io.writer_process", str(theirs.fileno()),
-                   str(os.getpid()), group_prefix]  # fmt: skip
+        # (Not `-m checkpoint.fast_io.writer_process`: its package imports this module first, and
+        # runpy then prints a RuntimeWarning on the run's stderr.)
+        command = [sys.executable, "-c", "from checkpoint.fast_io.writer_process import serve; serve()",
+                   str(theirs.fileno()), str(os.getpid()), group_prefix]  # fmt: skip
         environment = dict(
             os.environ,
             RANK=str(rank),
@@ -135,7 +140,7 @@ class WriterProcess:
             try:
                 self.ready = self.connection.recv() == "ready"
             except (EOFError, OSError):
-                return f"the checkpoint writer process ended (exit code {self.process.wait()})"
+                return f"the checkpoint writer process ended ({self._end()})"
         return None
 
     def attach(self, arena_fd: int) -> None:
@@ -156,15 +161,36 @@ class WriterProcess:
             self.connection.send_bytes(encode_request(described_state, partial, writer_threads, direct_io))
             return self.connection.recv()
         except (EOFError, OSError):
-            code = self.process.wait()
-            return f"the checkpoint writer process ended (exit code {code})", 0.0
+            return f"the checkpoint writer process ended ({self._end()})", 0.0
+
+    def ended(self) -> str | None:
+        """How the writer ended ("killed by SIGKILL", "exit code 1"); None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        if code == -signal.SIGKILL:
+            return "killed by SIGKILL: out of memory, or kill -9"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def kill(self) -> None:
+        """End the writer now, whatever it is doing (stopped too); its save then fails."""
+        self.process.kill()
+        self._end()
+
+    def _end(self) -> str:
+        """How the writer ended, once it has (its connection closed: it is ending)."""
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # (stuck in the kernel: a kill takes effect when it leaves)
+            return "not ended yet"
+        return self.ended()
 
     def close(self) -> None:
         try:
             self.connection.send(None)
             self.process.wait(timeout=60)
         except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
+            self.kill()
         self.connection.close()
 
 
@@ -243,10 +269,10 @@ def main(connection_fd: int, parent: int, group_prefix: str) -> None:
         connection.send(reply)
 
 
-if __name__ == "__main__":
+def serve() -> None:
+    """The writer process's entry (python -c, arguments: the socket, the parent's pid, the prefix of
+    the writers' group); this module imported under its own name, as the parent's InArena values
+    unpickle."""
     logging.basicConfig(level=logging.WARNING)
-    # This module imported under its own name: the parent's InArena values unpickle as that one's.
-    from checkpoint.fast_io import writer_process
-
-    writer_process.main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
     gc.freeze()  # exit without walking every object for cycles (~1 s with torch loaded; train.py alike)
