@@ -2,9 +2,9 @@
 
 torchtitan v0.2.2 has no Llama 3 1B or 3B flavor and reads its data through Hugging Face
 `datasets`. This script adds the two flavors (the shapes of configs/llama3_1b.toml and
-configs/llama3_3b.toml: untied output, vocabulary 128,256, FFN 8,192) and a stand-in for
-`datasets` that reads a JSONL file of {"text": ...} (the bundled sample by default), then runs
-torchtitan's train.py `main` unchanged under torchrun. It prints one JSON line like
+configs/llama3_3b.toml: untied output, vocabulary 128,256, FFN 8,192), gpt-oss-20b cut to 4 or 2 blocks
+and a stand-in for `datasets` that reads a JSONL file of {"text": ...} (the bundled sample by
+default), then runs torchtitan's train.py `main` unchanged under torchrun. It prints one JSON line like
 benchmarks/benchmark.py: tps is the mean of torchtitan's logged tok/s per GPU over the steps after
 --warmup, memory its peak reserved.
 
@@ -13,12 +13,15 @@ benchmarks/benchmark.py: tps is the mean of torchtitan's logged tok/s per GPU ov
         --warmup 10 \\
         -- --training.local_batch_size 2 \\
         [--model.converters quantize.linear.float8 --quantize.linear.float8.filter_fqns output]
+    python3 benchmarks/benchmark_torchtitan.py --torchtitan /tmp/torchtitan --model gpt_oss \\
+        --flavor 20b_4_layers --steps 20 --warmup 10
 
 torchtitan needs tyro (and its docstring-parser and typeguard) beside what this repository needs.
 Everything after `--` goes to torchtitan as its own overrides.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -39,6 +42,8 @@ FLAVORS = {
     "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, rope_theta=500000),
     "3B": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, rope_theta=500000),
 }
+# gpt-oss shapes cut to fewer blocks (as `--model.args n_layers=4` does here): name -> (flavor, blocks)
+GPT_OSS_CUTS = {"20b_4_layers": ("20b", 4), "20b_2_layers": ("20b", 2)}
 
 
 def install_datasets_stand_in() -> None:
@@ -79,11 +84,13 @@ def child() -> None:
     # drop --child before torchtitan is imported: its parser's default arguments are read at import
     sys.argv = [sys.argv[0], *sys.argv[2:]]
     install_datasets_stand_in()
-    from torchtitan.models import llama3
+    from torchtitan.models import gpt_oss, llama3
     from torchtitan.train import Trainer, main
 
     for name, shape in FLAVORS.items():
         llama3.llama3_args[name] = llama3.TransformerModelArgs(**shape)
+    for name, (flavor, n_layers) in GPT_OSS_CUTS.items():
+        gpt_oss.gptoss_configs[name] = dataclasses.replace(gpt_oss.gptoss_configs[flavor], n_layers=n_layers)
     main(Trainer)
 
 
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace, overrides: list[str]) -> dict:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
             __file__, "--child",
-            "--model.name", "llama3", "--model.flavor", args.flavor,
+            "--model.name", args.model, "--model.flavor", args.flavor,
             "--model.hf_assets_path", str(torchtitan / "tests/assets/tokenizer"),
             "--training.dataset", "c4_test", "--training.dataset_path", args.data,
             "--training.seq_len", str(args.seq_len), "--training.local_batch_size", "1",
@@ -136,7 +143,9 @@ def main() -> int:
         return 0
     parser = parser_with_common_options(__doc__, steps=20)
     parser.add_argument("--torchtitan", required=True, help="a checkout of torchtitan (v0.2.2)")
-    parser.add_argument("--flavor", required=True, help=f"{', '.join(FLAVORS)} or one of torchtitan's")
+    parser.add_argument("--model", default="llama3", choices=["llama3", "gpt_oss"])
+    flavors = ", ".join([*FLAVORS, *GPT_OSS_CUTS])
+    parser.add_argument("--flavor", required=True, help=f"{flavors} or one of torchtitan's")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     sample = str(REPO / "data/sample/python_docs.jsonl")
