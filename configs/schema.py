@@ -390,6 +390,12 @@ class Compile(Section):
     """torch.compile every transformer block (fullgraph unless context parallel) and the loss (not
     under TP). Costs compile time at the first step; no recompilation happens after step 2 (logged)."""
 
+    backend: Literal["inductor", "aot_eager"] = "inductor"
+    """inductor: fused generated kernels (why one compiles). aot_eager: the same graphs traced (dynamo
+    and AOT autograd: graph breaks, recompilations, DTensor and hook tracing) but run with eager
+    kernels, to tell whether a failure or a numerical difference lies in inductor; the CPU test suite
+    checks tracing with it, where inductor's C++ compile would cost minutes."""
+
 
 @dataclass
 class ActivationCheckpoint(Section):

@@ -79,10 +79,10 @@ def parallelize(
     fullgraph = not (dims.cp_enabled or dims.ep_enabled)
     compile_first = compile_inside_checkpointing(config, dims.tp_enabled)
     if compile_first:
-        apply_compile(model, fullgraph)
+        apply_compile(model, fullgraph, config.compile.backend)
     apply_activation_checkpointing(model, config.activation_checkpoint)
     if config.compile.enable and not compile_first:
-        apply_compile(model, fullgraph)
+        apply_compile(model, fullgraph, config.compile.backend)
     if dims.fsdp_enabled:
         apply_fsdp(
             model,

@@ -41,14 +41,14 @@ def check_compile(config: JobConfig, tp_enabled: bool) -> None:
         )
 
 
-def apply_compile(model: nn.Module, fullgraph: bool) -> None:
+def apply_compile(model: nn.Module, fullgraph: bool, backend: str = "inductor") -> None:
     """Compile every block of model.layers in place (module.compile keeps parameter names).
 
     Blocks are compiled one by one, not the whole model: FSDP's per-block hooks and pipeline
     splits stay outside the graphs, and identical blocks share one compiled graph.
     """
     for block in model.layers.values():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, backend=backend)
 
 
 def compiled_graphs() -> int:

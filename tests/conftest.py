@@ -3,9 +3,12 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -48,7 +51,12 @@ def run_train(
 
     One thread per process by default (ranks share the CPU; results do not depend on the core
     count); threads=None leaves torch's default, for a lone process that should use every core.
+    Several ranks: a run expected to succeed starts them itself with torchrun's environment
+    (run_ranks); a run whose failure the test examines (check=False) goes through torchrun, whose
+    output on a failure is what users see.
     """
+    if nproc is not None and check:
+        return run_ranks(args, nproc, cwd, timeout, threads, repo)
     command = train_command(args, nproc, repo)
     process = subprocess.Popen(
         command, cwd=cwd, env=_env(threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -74,6 +82,57 @@ def run_train(
             f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def run_ranks(
+    args: list[str], nproc: int, cwd: Path, timeout: int, threads: int | None, repo: Path
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node N train.py ARGS` for a run that must succeed, without
+    torchrun's agent process (its own torch import costs ~1.8 s of the 2 CPU cores per run, ~30% of a
+    small 2-rank run): N train.py processes with the environment torchrun gives its workers (rank
+    0's process group hosts the store), their outputs joined rank by rank. A rank that fails or
+    hangs past timeout stops the run (every rank's Python stacks printed, as run_train does)."""
+    with socket.socket() as probe:  # a free port for the store, as torchrun --standalone picks one
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = dict(_env(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+                  LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
+                  ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
+                  TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")  # fmt: skip
+    command = [sys.executable, str(repo / "train.py"), *args]
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(nproc)]
+        ranks = []
+        for rank, (out, err) in enumerate(outputs):
+            env = dict(common, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            with out.open("w") as stdout, err.open("w") as stderr:
+                ranks.append(subprocess.Popen(command, cwd=cwd, env=env, stdout=stdout, stderr=stderr))
+        deadline, failed, hung = time.monotonic() + timeout, None, False
+        while any(rank.poll() is None for rank in ranks):
+            failed = next((n for n, rank in enumerate(ranks) if rank.returncode not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                hung = failed is None
+                for rank in ranks:
+                    _signal(rank.pid, signal.SIGABRT if hung else signal.SIGKILL)
+                time.sleep(3 if hung else 0)
+                for rank in ranks:
+                    _signal(rank.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        codes = [rank.wait() for rank in ranks]
+        stdout = "".join(out.read_text() for out, _ in outputs)
+        stderr = "".join(err.read_text() for _, err in outputs)
+    launch = f"{nproc} ranks of {' '.join(command)}"
+    if hung:
+        raise AssertionError(
+            f"{launch} did not end within {timeout} s; its processes' stacks:\n{stderr[-30000:]}"
+        )
+    if any(codes):
+        deaths = [f"rank {n}: {signal.Signals(-code).name}" if code < 0 else f"rank {n}: exit {code}"
+                  for n, code in enumerate(codes) if code]  # fmt: skip
+        first = f"rank {failed} failed first; " if failed is not None else ""
+        raise AssertionError(f"{launch} failed ({first}{', '.join(deaths)}):\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, 0, stdout, stderr)
 
 
 def start_train(args: list[str], nproc: int | None = None, log: Path | None = None) -> subprocess.Popen:

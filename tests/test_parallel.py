@@ -33,11 +33,24 @@ TP2 = "--parallelism.tensor_parallel_degree 2"
 DOCUMENTS = (
     f"--model.attention_mask document --training.dataset text --training.dataset_path {SHORT_DOCUMENTS}"
 )
+# Layouts whose name ends in _muon train with Muon against the single process's Muon run (the
+# rest with AdamW). Muon (training/muon.py): each matrix gathered whole onto one rank,
+# orthogonalized there, sent back as shards, on every kind of shard: FSDP's rows, HSDP's replicas,
+# TP's rows and columns, FSDP over TP (strided shards), pipeline stages' own matrices, CP's
+# replicas, EP's experts (and expert FSDP), DeepSeek-V3's MLA with EP under PP and TP. 10 steps at
+# lr 0.02 (Muon moves every matrix by about lr a step); Newton-Schulz in fp32 (CPU). Bars:
+# assert_parity.
+MUON = "--optimizer.name Muon --optimizer.lr 0.02 --training.steps 10"
 LAYOUTS = {
     # name: (processes, overrides); global batch 8 = local batch x data-parallel degree x accumulation.
     # FSDP 4 and HSDP 2 x 2 are checked against the same reference by tests/test_checkpoint.py's
     # resumes onto them.
-    "fsdp2_accumulate2": (2, "--training.local_batch_size 2"),
+    "fsdp2_accumulate2_muon": (2, f"--training.local_batch_size 2 {MUON}"),
+    "hsdp2x2_muon": (
+        4,
+        f"--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2 {MUON}",
+    ),
+    "tp2_muon": (2, f"{TP2} --training.local_batch_size 8 {MUON}"),
     # Replicated logits (no loss parallel: TP with loss parallel is in every other TP layout), and
     # fused AdamW (CUDA's default; the reference uses foreach): clipping inside its kernel
     # (grad_scale) on DTensor gradients, partial sums included. FSDP 2 x TP 2 is the tied case below.
@@ -47,7 +60,10 @@ LAYOUTS = {
         "--optimizer.implementation fused",
     ),
     # Tied embedding and output (as Llama 3.2 1B/3B): one parameter sharded by both TP and FSDP.
-    "fsdp2_tp2_tied": (4, f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true"),
+    "fsdp2_tp2_tied_muon": (
+        4,
+        f"{TP2} --training.local_batch_size 4 --model.args tie_embeddings=true {MUON}",
+    ),
 }
 PP = "--parallelism.pipeline_parallel_degree"
 CP = "--parallelism.context_parallel_degree"
@@ -56,7 +72,7 @@ SCHEDULE = "--parallelism.pipeline_parallel_schedule"
 # stages), several stages per rank looped (Interleaved1F1B; LoopedBFS places them alike), split
 # backward (InterleavedZeroBubble), V-shaped placement (ZBVZeroBubble, DualPipeV). GPipe and
 # LoopedBFS were run here until the suite had to pay for fault tolerance; they pass.
-# 1F1B (the default) runs in pp2_accumulate4 and pp2_fsdp2_1F1B below. Interleaved1F1B runs at PP 4
+# 1F1B (the default) runs in pp2_accumulate4_muon and pp2_fsdp2_1F1B below. Interleaved1F1B runs at PP 4
 # only (two stages per rank need 8 layers, model.args): its looped placement at PP 2 is
 # InterleavedZeroBubble's, and PP 2 Interleaved1F1B ran here until the async writer process's
 # tests needed its time (it passes; the multi-GPU suite still runs it).
@@ -72,7 +88,7 @@ for name in SCHEDULES:  # 8 micro-batches of 1
 LAYOUTS |= {
     "pp2_fsdp2_1F1B": (4, f"{PP} 2 --training.local_batch_size 4"),
     # Context parallelism: sequences of 32 in 2 x cp chunks.
-    "cp2": (2, f"{CP} 2 --training.local_batch_size 8"),
+    "cp2_muon": (2, f"{CP} 2 --training.local_batch_size 8 {MUON}"),
     # Two at a time (PP 2 x CP 2 x TP 2 on 8 processes ran here until fault tolerance's tests needed
     # its time); FSDP over CP ranks is in tests/test_speed_features.py's PP 2 x CP 2 compiled run.
     # Both with document masking on short documents (several per window): the mask reaches every
@@ -80,9 +96,9 @@ LAYOUTS |= {
     "cp2_tp2_document": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 {DOCUMENTS}"),
     "pp2_tp2_document": (4, f"{PP} 2 {TP2} --training.local_batch_size 8 {DOCUMENTS}"),
     # Accumulation (local 2 x 4 steps) becomes 4 pipeline micro-batches of 2, in one schedule run.
-    "pp2_accumulate4": (
+    "pp2_accumulate4_muon": (
         2,
-        f"{PP} 2 --training.local_batch_size 2 --parallelism.pipeline_parallel_microbatch_size 2",
+        f"{PP} 2 --training.local_batch_size 2 --parallelism.pipeline_parallel_microbatch_size 2 {MUON}",
     ),
 }
 
@@ -97,7 +113,10 @@ QWEN3_LAYOUTS = ["tp2_no_loss_parallel_fused_adamw"]  # its own TP plan (QK-norm
 ROUTING = "score_func=sigmoid,n_expert_groups=4,topk_groups=2,shared_hidden_dim=32,bias_update_rate=0.01"
 EP = "--parallelism.expert_parallel_degree"
 MOE_LAYOUTS = {
-    "ep2_fsdp2": (4, f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01"),
+    "ep2_fsdp2_muon": (
+        4,
+        f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING},aux_loss_coeff=0.01 {MUON}",
+    ),
     "cp2_ep2": (2, f"{CP} 2 {EP} 2 --training.local_batch_size 8 --model.args {ROUTING}"),
 }
 # DeepSeek-V3 (tiny: MLA with low-rank queries, YaRN, DeepSeek-V3 routing with a balance loss, one
@@ -105,8 +124,8 @@ MOE_LAYOUTS = {
 # MTP block and a copy of the embedding on the last stage; CP gathers MLA's latent (without the
 # balance loss, computed per CP chunk as above).
 DEEPSEEK_LAYOUTS = {
-    "pp2_ep2_fsdp": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4"),
-    "ep2_tp2_fsdp": (4, f"{EP} 2 {TP2} --training.local_batch_size 4"),
+    "pp2_ep2_fsdp_muon": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 {MUON}"),
+    "ep2_tp2_fsdp_muon": (4, f"{EP} 2 {TP2} --training.local_batch_size 4 {MUON}"),
     "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 --model.args aux_loss_coeff=0"),
     "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
 }
@@ -141,31 +160,43 @@ SHARED_WITH_REFERENCE = (
     "--model.attention_mask",
     "--training.dataset",
     "--training.dataset_path",
+    "--optimizer.name",
+    "--optimizer.lr",
+    "--training.steps",
 )
 
 
 @pytest.fixture(scope="module")
 def references(single_process_runs):
-    """Single-process runs (local batch 8), one per model, model options and data, made on first use."""
+    """Single-process runs (local batch 8), one per model, model options, data and optimizer, made on
+    first use."""
 
     def reference(model: str, overrides: list[str]) -> list[dict]:
-        same = []  # the overrides that the single process shares: model and data
+        same = []  # the overrides that the single process shares: model, data and optimizer
         for name in SHARED_WITH_REFERENCE:
             if name in overrides:
                 same += overrides[overrides.index(name) :][:2]
         single = ["--model.name", model, *same, "--training.local_batch_size", "8"]
         records = single_process_runs([*COMMON, *single])
-        assert len(records) == STEPS
+        assert len(records) == (10 if "Muon" in overrides else STEPS)
+        if "Muon" in overrides:
+            assert records[-1]["loss"] < records[0]["loss"] - 1  # it trains
         return records
 
     return reference
 
 
-def assert_parity(records: list[dict], reference: list[dict]) -> None:
+def assert_parity(records: list[dict], reference: list[dict], muon: bool = False) -> None:
+    """AdamW: step 1 within 1e-6, every step's loss within 1e-4, grad norm within 1e-5, the same
+    routing. Muon: step 1 within 1e-5 and every step's loss within 1e-4 (issue 51's bars): from step 2
+    on, Newton-Schulz carries a sharded sum's last-bit differences into every weight, so grad norms
+    and routing are held to the bars at step 1 only."""
     assert [r["step"] for r in records] == [r["step"] for r in reference]
-    assert records[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-6)
+    assert records[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-5 if muon else 1e-6)
     for got, want in zip(records, reference):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"step {got['step']}"
+        if muon and got["step"] > 1:
+            continue
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), f"step {got['step']}"
         if "moe_max_load" in want:  # the same routing: counts and balance losses summed over the right ranks
             assert got["moe_max_load"] == pytest.approx(want["moe_max_load"], rel=1e-6), f"step {got['step']}"
@@ -196,49 +227,7 @@ def test_layout_matches_single_process(model, layout, references, tmp_path):
         warnings.warn(f"{layout}: a rank crashed or hung in gloo's collectives; run again", stacklevel=1)
         run[-1] = str(tmp_path / "again")
         run_train([*COMMON, *run], nproc=processes, timeout=180)
-    assert_parity(read_metrics(Path(run[-1])), references(model, overrides))
-
-
-# Muon (training/muon.py): each matrix gathered whole onto one rank, orthogonalized there, sent back
-# as shards, on every kind of shard: FSDP's rows, HSDP's replicas, TP's rows and columns, FSDP over
-# TP (strided shards), pipeline stages' own matrices, CP's replicas, EP's experts (and expert FSDP),
-# DeepSeek-V3's MLA with EP under PP and TP. 10 steps at lr 0.02 (Muon moves every matrix by about
-# lr a step); Newton-Schulz in fp32 (CPU). Bars: step 1 within 1e-5, every step within 1e-4.
-MUON = "--optimizer.name Muon --optimizer.lr 0.02 --training.steps 10"
-MUON_CASES = {
-    "llama3-fsdp2": ("llama3", 2, "--training.local_batch_size 4"),
-    "llama3-hsdp2x2": (
-        "llama3",
-        4,
-        "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2",
-    ),
-    "llama3-tp2": ("llama3", 2, f"{TP2} --training.local_batch_size 8"),
-    "llama3-fsdp2_tp2": ("llama3", 4, f"{TP2} --training.local_batch_size 4"),
-    "llama3-pp2": ("llama3", 2, f"{PP} 2 --training.local_batch_size 8"),
-    "llama3-cp2": ("llama3", 2, f"{CP} 2 --training.local_batch_size 8"),
-    "qwen3_moe-ep2_fsdp2": ("qwen3_moe", 4, f"{EP} 2 --training.local_batch_size 2 --model.args {ROUTING}"),
-    "deepseek_v3-pp2_ep2_fsdp": ("deepseek_v3", 4, f"{PP} 2 {EP} 2 --training.local_batch_size 4"),
-    "deepseek_v3-ep2_tp2_fsdp": ("deepseek_v3", 4, f"{EP} 2 {TP2} --training.local_batch_size 4"),
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", MUON_CASES)
-def test_muon_layout_matches_single_process(case, single_process_runs, tmp_path):
-    model, processes, overrides = MUON_CASES[case]
-    overrides = overrides.split()
-    run_train([*COMMON, *MUON.split(), "--model.name", model, *overrides, "--job.dump_folder", str(tmp_path)],
-              nproc=processes)  # fmt: skip
-    same = overrides[overrides.index("--model.args") :][:2] if "--model.args" in overrides else []
-    reference = single_process_runs(
-        [*COMMON, *MUON.split(), "--model.name", model, *same, "--training.local_batch_size", "8"]
-    )
-    records = read_metrics(tmp_path)
-    assert len(records) == len(reference) == 10
-    assert records[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-5)
-    for got, want in zip(records, reference):
-        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), f"step {got['step']}"
-    assert reference[-1]["loss"] < reference[0]["loss"] - 1  # it trains
+    assert_parity(read_metrics(Path(run[-1])), references(model, overrides), muon="Muon" in overrides)
 
 
 @pytest.mark.slow

@@ -2,6 +2,12 @@
 
 fp32 on CPU, so each must reproduce the plain single-process run (compile within 1e-5: its fused
 kernels round differently; checkpointing exactly: it recomputes the same ops).
+
+Compiled runs on several ranks check what the layouts add to compiling (graphs around FSDP's and
+EP's hooks, DTensors, checkpoint wrappers, pipeline stages, CP between graphs; nothing recompiled)
+with `compile.backend = "aot_eager"`: the same dynamo and AOT-autograd graphs as inductor's, run
+with eager kernels (inductor's C++ compile of each rank's graphs costs 30 s per run here).
+Inductor itself runs in one process (op-ac) and under FSDP 2 with Muon.
 """
 
 import os
@@ -15,6 +21,7 @@ STEPS = 6
 COMMON = [*TINY, "--training.steps", str(STEPS), "--training.global_batch_size", "8"]
 SINGLE = ["--training.local_batch_size", "8"]
 COMPILE = ["--compile.enable"]
+TRACED = [*COMPILE, "--compile.backend", "aot_eager"]  # see the module's docstring
 DOCUMENTS = ["--model.attention_mask", "document", "--training.dataset", "text",
              "--training.dataset_path", SHORT_DOCUMENTS]  # fmt: skip
 
@@ -79,7 +86,8 @@ PP2_CP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context
     ids=["tp2-ac-document", "pp2-cp2-ac", "op-ac", "tp2-op-ac"],
 )  # fmt: skip
 def test_compile_matches_eager_without_recompiles(nproc, overrides, eager_runs, tmp_path):
-    result = run_train([*COMMON, *COMPILE, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    compiled = COMPILE if nproc is None else TRACED
+    result = run_train([*COMMON, *compiled, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
     assert_same_losses(read_metrics(tmp_path), eager_runs(documents="document" in overrides), rel=1e-5)
     assert "torch.compile: 0 graphs compiled after step 2" in result.stdout
 
@@ -106,6 +114,30 @@ def test_recompile_watch_counts_fullgraph_recompilations():
         with watch.watch("train", warm_up_calls=2):
             block.to(dtype)(torch.randn(2, 4, dtype=dtype))
     assert watch.calls["train"] == 4 and watch.recompiled == 1
+
+
+def test_compile_backend_reaches_every_block_and_the_loss():
+    """compile.backend = "aot_eager" traces every block and the loss through dynamo and AOT autograd
+    and never calls inductor (the multi-rank compiled runs above depend on it); the loss equals
+    the eager model's."""
+    import torch
+    from test_model import build
+
+    from parallelisms.compile import apply_compile
+    from training.loss import TokenNormalizedLoss
+
+    tokens = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = TokenNormalizedLoss(32)(build()(tokens), tokens)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    model = build()
+    apply_compile(model, fullgraph=True, backend="aot_eager")
+    loss = TokenNormalizedLoss(32, compile_backend="aot_eager")(model(tokens), tokens)
+    loss.backward()
+    assert counters["stats"]["unique_graphs"] >= 2 and counters["aot_autograd"]["total"] >= 2
+    assert not counters["inductor"], dict(counters["inductor"])
+    assert loss.item() == pytest.approx(eager.item(), rel=1e-6)
 
 
 @pytest.mark.slow
@@ -179,7 +211,8 @@ def test_float8_with_tensor_parallelism_and_fsdp_float8_all_gather(tmp_path, mod
     assert read_metrics(single)[-1]["loss"] < read_metrics(single)[0]["loss"] - 1
 
 
-# tests/test_parallel.py's Muon runs: the same arguments, so the same single-process reference.
+# tests/test_parallel.py's Muon layouts: the same arguments in the same order, so the same
+# single-process reference.
 MUON = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02", "--training.steps", "10"]
 
 
@@ -188,7 +221,7 @@ def test_muon_compiled_matches_eager(single_process_runs, tmp_path):
     """Muon under FSDP 2 with compiled blocks: the eager single-process losses, nothing recompiled."""
     result = run_train([*COMMON, *MUON, *COMPILE, "--training.local_batch_size", "4", "--job.dump_folder",
                         str(tmp_path)], nproc=2)  # fmt: skip
-    reference = single_process_runs([*COMMON, *MUON, "--model.name", "llama3", *SINGLE])
+    reference = single_process_runs([*COMMON, "--model.name", "llama3", *MUON, *SINGLE])
     assert_same_losses(read_metrics(tmp_path), reference, rel=1e-5)
     assert "torch.compile: 0 graphs compiled after step 2" in result.stdout
 
@@ -213,7 +246,7 @@ EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size
 )
 def test_moe_compiled_matches_eager(model, overrides, eager_runs, tmp_path):
     """An MoE model compiled on two ranks: the eager single-process losses, nothing recompiled."""
-    moe = ["--model.name", model, *COMPILE, *overrides]
+    moe = ["--model.name", model, *TRACED, *overrides]
     result = run_train([*COMMON, *moe, "--job.dump_folder", str(tmp_path)], nproc=2)
     assert_same_losses(read_metrics(tmp_path), eager_runs(model), rel=1e-5)
     assert "torch.compile: 0 graphs compiled after step 2" in result.stdout

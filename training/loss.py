@@ -29,13 +29,18 @@ class TokenNormalizedLoss:
     plus mtp_weight x the mean of the depths' losses (DeepSeek-V3's lambda / D x sum). Each call's
     summed token losses, detached, are kept for take(): the logged `loss` is the main one alone.
 
-    compile: fuse the float32 upcast with the cross-entropy, so the float32 logits never exist
-    in full (not with vocabulary-sharded logits, which are DTensors).
+    compile_backend: a torch.compile backend ("inductor" fuses the float32 upcast with the
+    cross-entropy, so the float32 logits never exist in full), or None (not with vocabulary-sharded
+    logits, which are DTensors).
     """
 
-    def __init__(self, num_tokens: int, compile: bool = False, mtp_depth: int = 0, mtp_weight: float = 0.0):
+    def __init__(
+        self, num_tokens: int, compile_backend: str | None = None, mtp_depth: int = 0, mtp_weight: float = 0.0
+    ):
         self.num_tokens = num_tokens
-        self.cross_entropy_sum = torch.compile(cross_entropy_sum) if compile else cross_entropy_sum
+        self.cross_entropy_sum = cross_entropy_sum
+        if compile_backend:
+            self.cross_entropy_sum = torch.compile(cross_entropy_sum, backend=compile_backend)
         self.mtp_depth, self.mtp_weight = mtp_depth, mtp_weight
         self.recorded: list[torch.Tensor] = []
 

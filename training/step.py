@@ -51,8 +51,9 @@ class StepRunner:
         # Compiled only on whole local logits: not on vocabulary shards (loss parallel) nor on TP's
         # replicated logits (see FreshLocalOutput in parallelisms/tensor_parallel.py).
         mtp_depth, mtp_weight = multi_token_prediction(model.args)
+        loss_backend = config.compile.backend if config.compile.enable and not dims.tp_enabled else None
         self.loss_fn = TokenNormalizedLoss(
-            global_batch * config.training.seq_len, compile=config.compile.enable and not dims.tp_enabled,
+            global_batch * config.training.seq_len, compile_backend=loss_backend,
             mtp_depth=mtp_depth, mtp_weight=mtp_weight,
         )  # fmt: skip
         self.pipeline = None
