@@ -56,7 +56,7 @@ def run_train(
     output on a failure is what users see.
     """
     if nproc is not None and check:
-        return run_ranks(args, nproc, cwd, timeout, threads, repo)
+        return run_ranks([sys.executable, str(repo / "train.py"), *args], nproc, cwd, timeout, threads)
     command = train_command(args, nproc, repo)
     process = subprocess.Popen(
         command, cwd=cwd, env=_env(threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -85,11 +85,11 @@ def run_train(
 
 
 def run_ranks(
-    args: list[str], nproc: int, cwd: Path, timeout: int, threads: int | None, repo: Path
+    command: list[str], nproc: int, cwd: Path = REPO, timeout: int = 600, threads: int | None = 1
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node N train.py ARGS` for a run that must succeed, without
+    """`torchrun --standalone --nproc-per-node N script ARGS` for a run that must succeed, without
     torchrun's agent process (its own torch import costs ~1.8 s of the 2 CPU cores per run, ~30% of a
-    small 2-rank run): N train.py processes with the environment torchrun gives its workers (rank
+    small 2-rank run): N processes of `command` with the environment torchrun gives its workers (rank
     0's process group hosts the store), their outputs joined rank by rank. A rank that fails or
     hangs past timeout stops the run (every rank's Python stacks printed, as run_train does)."""
     with socket.socket() as probe:  # a free port for the store, as torchrun --standalone picks one
@@ -99,7 +99,6 @@ def run_ranks(
                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                   ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID=uuid.uuid4().hex,
                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")  # fmt: skip
-    command = [sys.executable, str(repo / "train.py"), *args]
     with tempfile.TemporaryDirectory() as folder:
         outputs = [(Path(folder) / f"{rank}.out", Path(folder) / f"{rank}.err") for rank in range(nproc)]
         ranks = []

@@ -3,14 +3,12 @@ torch's arithmetic, which parameters get which, the start-up line. The distribut
 in tests/test_parallel.py (MUON_LAYOUTS), checkpoints in tests/test_checkpoint.py."""
 
 import copy
-import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_ranks
 
 from configs.schema import LRScheduler
 from configs.schema import Optimizer as OptimizerConfig
@@ -194,11 +192,7 @@ def test_muon_optimizers_train_and_schedule_both_groups():
 def test_each_matrix_is_orthogonalized_once_and_the_work_divides(overrides):
     """4 ranks (tests/muon_probe.py): the matrices each rank orthogonalizes add up to the model's
     Muon matrices (each expert one), and shares differ by at most one matrix per stack."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-               str(REPO / "tests/muon_probe.py"), *overrides]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_ranks([sys.executable, str(REPO / "tests/muon_probe.py"), *overrides], 4, timeout=300)
     shares = [int(n) for n in re.findall(r"rank \d orthogonalized (\d+)", result.stdout)]
     calls = max(int(n) for n in re.findall(r"in (\d+) calls", result.stdout))
     (total,) = [int(n) for n in re.findall(r"muon matrices (\d+)", result.stdout)]
@@ -322,12 +316,9 @@ def test_qk_clip_brings_the_largest_logits_to_the_threshold(name):
 
 
 def probe_norms(model: str, threshold: str, nproc: int, overrides: list[str]) -> dict[str, dict[str, float]]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(REPO / "tests/qk_clip_probe.py"), "--model.name", model,
+    command = [sys.executable, str(REPO / "tests/qk_clip_probe.py"), "--model.name", model,
                "--optimizer.qk_clip_threshold", threshold, *overrides]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_ranks(command, nproc, timeout=300)
     norms = {"before": {}, "after": {}}
     for when, name, value in re.findall(r"^(before|after) (\S+) (\S+)$", result.stdout, re.MULTILINE):
         norms[when][name] = float(value)

@@ -13,14 +13,12 @@ documents and causal in cp4_document and cp4 (GPT_OSS_LAYOUTS). The 8-rank layou
 CP 2 x TP 2 run on GPUs (tests/test_gpu.py), where 8 processes do not share 2 cores.
 """
 
-import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHORT_DOCUMENTS, TINY, read_metrics, run_train
+from conftest import REPO, SHORT_DOCUMENTS, TINY, read_metrics, run_ranks, run_train
 
 from configs import UserError, load_config
 from parallelisms.parallel_dims import ParallelDims
@@ -241,11 +239,8 @@ def test_accumulation_under_fsdp_reduces_once_per_step(ranks, overrides, groups)
     (none on one rank, none for experts sharded over one rank); and no pass divides the gradients
     by 1 (on one rank torch's FSDP would, were the divide factor set: 2.9 GiB of peak memory at 3B
     on the H200)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(REPO / "tests/fsdp_sync_probe.py"), *overrides]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    probe = [sys.executable, str(REPO / "tests/fsdp_sync_probe.py"), *overrides]
+    result = run_ranks(probe, ranks, timeout=300)
     reduce_scatters = groups if ranks > 1 else 0
     expected = f"reduce-scatters per step: {reduce_scatters} ({groups} FSDP groups, 3 micro-batches)"
     assert expected in result.stdout

@@ -7,7 +7,7 @@ Compiled runs on several ranks check what the layouts add to compiling (graphs a
 EP's hooks, DTensors, checkpoint wrappers, pipeline stages, CP between graphs; nothing recompiled)
 with `compile.backend = "aot_eager"`: the same dynamo and AOT-autograd graphs as inductor's, run
 with eager kernels (inductor's C++ compile of each rank's graphs costs 30 s per run here).
-Inductor itself runs in one process (op-ac) and under FSDP 2 with Muon.
+Inductor itself runs in one process (op-ac) here, and on several GPUs in tests/test_gpu.py.
 """
 
 import os
@@ -219,7 +219,7 @@ MUON = ["--optimizer.name", "Muon", "--optimizer.lr", "0.02", "--training.steps"
 @pytest.mark.slow
 def test_muon_compiled_matches_eager(single_process_runs, tmp_path):
     """Muon under FSDP 2 with compiled blocks: the eager single-process losses, nothing recompiled."""
-    result = run_train([*COMMON, *MUON, *COMPILE, "--training.local_batch_size", "4", "--job.dump_folder",
+    result = run_train([*COMMON, *MUON, *TRACED, "--training.local_batch_size", "4", "--job.dump_folder",
                         str(tmp_path)], nproc=2)  # fmt: skip
     reference = single_process_runs([*COMMON, "--model.name", "llama3", *MUON, *SINGLE])
     assert_same_losses(read_metrics(tmp_path), reference, rel=1e-5)
