@@ -6,7 +6,7 @@ train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step
 1e-4, grad norms within 1e-5, MoE expert load equal. Llama 3 runs the dense layouts; Qwen3 only
 FSDP x TP, through its own TP plan (QK-norm): its pipeline ends and attention are the shared
 decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism with
-FSDP and CP, DeepSeek-V3 (MLA, multi-token prediction) every parallelism in four runs, and gpt-oss
+FSDP and CP, DeepSeek-V3 (MLA, multi-token prediction) every parallelism in three runs, and gpt-oss
 (sinks, sliding windows) every parallelism in five: FSDP 2, PP 2 and EP 2 in pp2_ep2_fsdp2_document;
 TP 2 and CP 2 on documents in cp2_tp2_document; EP 2 x TP 2 and causal CP 2 in cp2_ep2_tp2; CP 4 on
 documents and causal in cp4_document and cp4 (GPT_OSS_LAYOUTS). The 8-rank layouts beyond PP 2 x
@@ -118,14 +118,14 @@ MOE_LAYOUTS = {
     "cp2_ep2": (2, f"{CP} 2 {EP} 2 --training.local_batch_size 8 --model.args {ROUTING}"),
 }
 # DeepSeek-V3 (tiny: MLA with low-rank queries, YaRN, DeepSeek-V3 routing with a balance loss, one
-# MTP depth, whose loss is compared too): every parallelism in four runs of 4 processes. PP puts the
-# MTP block and a copy of the embedding on the last stage; CP gathers MLA's latent (without the
-# balance loss, computed per CP chunk as above).
+# MTP depth, whose loss is compared too): every parallelism in three runs of 4 processes (HSDP's
+# replicas hold whole blocks of any family: llama3's hsdp2x2_muon). PP puts the MTP block and a copy
+# of the embedding on the last stage; CP gathers MLA's latent (without the balance loss, computed
+# per CP chunk as above).
 DEEPSEEK_LAYOUTS = {
     "pp2_ep2_fsdp_muon": (4, f"{PP} 2 {EP} 2 --training.local_batch_size 4 {MUON}"),
     "ep2_tp2_fsdp_muon": (4, f"{EP} 2 {TP2} --training.local_batch_size 4 {MUON}"),
     "cp2_tp2": (4, f"{CP} 2 {TP2} --training.local_batch_size 8 --model.args aux_loss_coeff=0"),
-    "hsdp2x2": (4, "--parallelism.data_parallel_replicate_degree 2 --training.local_batch_size 2"),
 }
 # gpt-oss (tiny: block 0 in a window of 6, attention sinks, biases, clamped experts): five runs of 4
 # processes against two references (causal, short documents), without the balance loss, computed per
