@@ -46,6 +46,7 @@ def run_train(
     timeout: int = 600,
     threads: int | None = 1,
     repo: Path = REPO,
+    torchrun: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run train.py (of repo: a copy of this repository, or itself) to the end.
 
@@ -53,9 +54,10 @@ def run_train(
     count); threads=None leaves torch's default, for a lone process that should use every core.
     Several ranks: a run expected to succeed starts them itself with torchrun's environment
     (run_ranks); a run whose failure the test examines (check=False) goes through torchrun, whose
-    output on a failure is what users see.
+    output on a failure is what users see, as does every run with torchrun=True (the GPU suite:
+    each rank sets up CUDA as under torchrun, nothing forked).
     """
-    if nproc is not None and check:
+    if nproc is not None and check and not torchrun:
         return run_ranks([sys.executable, str(repo / "train.py"), *args], nproc, cwd, timeout, threads)
     command = train_command(args, nproc, repo)
     process = subprocess.Popen(

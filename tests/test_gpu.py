@@ -64,7 +64,7 @@ def single(tmp_path_factory):
         if key not in made:
             folder = tmp_path_factory.mktemp("single")
             run_train([*COMMON, *precision, *extra, "--training.local_batch_size", "8",
-                       "--job.dump_folder", str(folder)], nproc=1)  # fmt: skip
+                       "--job.dump_folder", str(folder)], nproc=1, torchrun=True)  # fmt: skip
             made[key] = read_metrics(folder)
         return made[key]
 
@@ -116,7 +116,7 @@ CASES = [pytest.param(name, marks=gpus(nproc), id=name) for name, (nproc, _) in 
 @pytest.mark.parametrize("name", CASES)
 def test_fp32_layout_matches_one_gpu(name, single, tmp_path):
     nproc, overrides = FP32_LAYOUTS[name]
-    run_train([*COMMON, *FP32, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    run_train([*COMMON, *FP32, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc, torchrun=True)
     found = differences(read_metrics(tmp_path), single(FP32))
     record(name, nproc, found)
     assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
@@ -151,7 +151,7 @@ BF16_LAYOUTS = {
 @pytest.mark.parametrize("name", [pytest.param(n, marks=gpus(g[0]), id=n) for n, g in BF16_LAYOUTS.items()])
 def test_bf16_layout_matches_one_gpu(name, single, tmp_path):
     nproc, overrides, reference_extra = BF16_LAYOUTS[name]
-    run_train([*COMMON, *BF16, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    run_train([*COMMON, *BF16, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc, torchrun=True)
     found = differences(read_metrics(tmp_path), single(BF16, reference_extra))
     record(name, nproc, found)
     assert found["loss"] < BF16_BAR, found
@@ -185,7 +185,8 @@ VARIANT_LAYOUTS = {
 )
 def test_document_masking_and_moe_layouts_match_one_gpu(name, single, tmp_path):
     nproc, shared, overrides = VARIANT_LAYOUTS[name]
-    run_train([*COMMON, *FP32, *shared, *overrides, "--job.dump_folder", str(tmp_path)], nproc=nproc)
+    run = [*COMMON, *FP32, *shared, *overrides, "--job.dump_folder", str(tmp_path)]
+    run_train(run, nproc=nproc, torchrun=True)
     found = differences(read_metrics(tmp_path), single(FP32, shared))
     record(name, nproc, found)
     assert found["step1"] < 1e-6 and found["loss"] < FP32_BAR and found["grad_norm"] < FP32_BAR, found
@@ -281,7 +282,7 @@ def test_checkpoint_reshards_fsdp2_tp2_one_gpu_pp2(single, tmp_path):
                 folder / f"checkpoint/step-{5 * leg}"
             )
         saving = ["--checkpoint.enable", "--checkpoint.interval", "5", "--job.dump_folder", str(folder)]
-        run_train([*COMMON, *FP32, *overrides, *saving], nproc=nproc)
+        run_train([*COMMON, *FP32, *overrides, *saving], nproc=nproc, torchrun=True)
         resumed += [r for r in read_metrics(folder) if 5 * leg < r["step"] <= 5 * leg + 5]
     found = differences(resumed, single(FP32))
     record("reshard_fsdp2_tp2_1_pp2", 2, found)

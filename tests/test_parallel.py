@@ -1,8 +1,9 @@
 """Data, tensor, pipeline, context and expert parallelism: every layout reproduces the
 single-process run.
 
-Each layout is a real `torchrun ... train.py` launch (fp32, CPU, gloo); the reference is `python
-train.py` of the same model. Bars: step-1 loss within 1e-6 relative, the 10-step loss curve within
+Each layout is a real multi-process run of train.py (fp32, CPU, gloo; its ranks started as
+conftest.run_ranks says, with torchrun's environment); the reference is `python train.py` of the
+same model. Bars: step-1 loss within 1e-6 relative, the 10-step loss curve within
 1e-4, grad norms within 1e-5, MoE expert load equal. Llama 3 runs the dense layouts; Qwen3 only
 FSDP x TP, through its own TP plan (QK-norm): its pipeline ends and attention are the shared
 decoder's (models/decoder_plans.py, models/attention.py); Qwen3-MoE runs expert parallelism with

@@ -275,7 +275,7 @@ def test_metrics_records(tmp_path):
 def test_torchrun_single_process_equals_plain_python(tmp_path):
     args = [*TINY, "--training.steps", "8", "--optimizer.lr", "1e-2"]
     run_train([*args, "--job.dump_folder", str(tmp_path / "python")])
-    run_train([*args, "--job.dump_folder", str(tmp_path / "torchrun")], nproc=1)
+    run_train([*args, "--job.dump_folder", str(tmp_path / "torchrun")], nproc=1, torchrun=True)
     plain, launched = read_metrics(tmp_path / "python"), read_metrics(tmp_path / "torchrun")
     assert [r["loss"] for r in plain] == [r["loss"] for r in launched]
     assert launched[-1]["loss"] < launched[0]["loss"] - 0.3  # it learns
