@@ -86,6 +86,13 @@ def run_train(
     return result
 
 
+def free_port() -> int:
+    """A port nothing listens on now (for MASTER_PORT)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run_ranks(
     command: list[str], nproc: int, cwd: Path = REPO, timeout: int = 600, threads: int | None = 1
 ) -> subprocess.CompletedProcess:
@@ -95,9 +102,7 @@ def run_ranks(
     process group hosts the store) and without torchrun's agent. On the suite's 2 cores this takes a
     4-rank run's start from ~9.6 s to ~4 s. Their outputs joined rank by rank. A rank that fails
     stops the others; one that hangs past timeout prints every rank's Python stacks, as run_train."""
-    with socket.socket() as probe:  # a free port for the store, as torchrun --standalone picks one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for the store, as torchrun --standalone picks one
     env = dict(_env(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID=uuid.uuid4().hex,

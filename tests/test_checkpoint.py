@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -27,6 +26,7 @@ from conftest import (
     children,
     descendants,
     fake_slurm,
+    free_port,
     read_metrics,
     run_train,
     start_train,
@@ -919,12 +919,6 @@ def test_model_only_last_save_starts_a_new_run_but_cannot_continue_one(tmp_path)
     assert (
         by_step(read_metrics(second))[1]["loss"] < by_step(read_metrics(first))[1]["loss"] - 0.1
     )  # trained weights
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch_and_stop(command: list[str], env: dict, folder: Path, sig: signal.Signals, log: Path) -> int:

@@ -14,14 +14,13 @@ import os
 import pickle
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, fake_slurm, read_metrics, run_train
+from conftest import REPO, TINY, fake_slurm, free_port, read_metrics, run_train
 from test_bad_inputs import run_catalog
 
 from checkpoint import integrity
@@ -164,11 +163,8 @@ def test_slurm_passes_a_submit_folder_with_quotes_as_a_path(tmp_path):
     arguments reach train.py intact (--help, to stay fast)."""
     submit = tmp_path / "x'$(touch pwned)'y"
     submit.symlink_to(REPO, target_is_directory=True)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     env = {**fake_slurm(tmp_path), "SLURM_SUBMIT_DIR": str(submit), "SLURM_GPUS_ON_NODE": "1",
-           "MASTER_PORT": str(port)}  # fmt: skip
+           "MASTER_PORT": str(free_port())}  # fmt: skip
     result = subprocess.run(["bash", str(REPO / "scripts/slurm.sbatch"), "--help"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert not (tmp_path / "pwned").exists() and not (REPO / "pwned").exists()
